@@ -1,0 +1,93 @@
+"""Compile-time configuration of the sparse-MLA decode kernels, and its one constraint check.
+
+Everything a call can vary (num_tokens, num_heads, topk, extra_topk, page block sizes, block
+strides, the split of the work) is a runtime argument of the kernels. What is fixed here is
+only what changes the generated code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import D_QK, ROW_BYTES, SCALE_BYTES
+
+SMEM_LIMIT_BYTES = 101376  # 99 KB: the most an SM120 CTA may use
+PRECISIONS = ("bf16",)
+
+
+@dataclass(frozen=True)
+class PartialConfig:
+    """Code-generating parameters of the split-K partial kernel.
+
+    heads_per_cta: rows of the MMA M tile (query heads one CTA covers; rows >= H are masked).
+    block_n: selected entries gathered and processed per step (one chunk).
+    num_warps: each warp owns a 512/num_warps slice of the QK width and of the output.
+    has_topk_length / has_extra_topk_length: whether the length tensors are read.
+    precision: the compute path ("bf16": FP8 nope values dequantized to bf16 on the way in).
+    """
+
+    has_topk_length: bool = False
+    has_extra_topk_length: bool = False
+    precision: str = "bf16"
+    heads_per_cta: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def stage_bytes(self) -> int:
+        """Raw bytes one gathered chunk occupies in shared memory: rows, then scales."""
+        return self.block_n * (ROW_BYTES + SCALE_BYTES)
+
+    def smem_bytes(self) -> int:
+        kv_tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
+        raw = self.num_stages * self.stage_bytes
+        s_exchange = self.num_warps * self.heads_per_cta * self.block_n * 4
+        slots = self.num_stages * self.block_n * 4
+        return kv_tile + raw + s_exchange + slots + 1024  # + alignment slack
+
+    def check(self) -> None:
+        """Raise ValueError when this configuration cannot be generated."""
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        if self.heads_per_cta != 16:
+            raise ValueError("heads_per_cta must be 16 (one m16 MMA tile)")
+        if self.block_n % 16 != 0 or not 16 <= self.block_n <= 64:
+            raise ValueError(f"block_n {self.block_n} must be 16, 32, 48 or 64")
+        if D_QK % (self.num_warps * 64) != 0:
+            raise ValueError(f"num_warps {self.num_warps} must split {D_QK} into 64-wide slices")
+        if self.block_n * (D_QK // 8) % self.num_threads != 0:
+            raise ValueError("block_n * 64 must be a multiple of the thread count")
+        if self.num_stages != 2:
+            raise ValueError("num_stages must be 2")
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            raise ValueError(f"{self} needs {self.smem_bytes()} bytes of shared memory > {SMEM_LIMIT_BYTES}")
+
+    @property
+    def name(self) -> str:
+        """A name that holds every code-generating field (used for kernels and caches)."""
+        return (
+            f"sparse_mla_partial_{self.precision}_h{self.heads_per_cta}_n{self.block_n}"
+            f"_w{self.num_warps}_s{self.num_stages}"
+            f"_len{int(self.has_topk_length)}{int(self.has_extra_topk_length)}"
+        )
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """Code-generating parameters of the combine kernel."""
+
+    has_sink: bool = False
+    num_threads: int = 128  # each thread owns D_V / num_threads output dims
+
+    def check(self) -> None:
+        if D_QK % self.num_threads != 0 or (D_QK // self.num_threads) % 4 != 0:
+            raise ValueError(f"num_threads {self.num_threads} must split {D_QK} into groups of 4")
+
+    @property
+    def name(self) -> str:
+        return f"sparse_mla_merge_t{self.num_threads}_sink{int(self.has_sink)}"

@@ -1,0 +1,141 @@
+"""Combine kernel of sparse MLA decode: merges the split-K partials by their lse (CuTe DSL).
+
+One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
+
+    m     = max_s lse2_s                    (log2 units, -inf for an empty split)
+    w_s   = 2**(lse2_s - m)
+    out   = sum_s w_s * O_s / sum_s w_s     (each O_s is already normalized)
+    lse   = (m + log2(sum_s w_s)) * ln 2    (natural log, as FlashMLA returns it)
+    sink  : out *= 1 / (1 + exp(sink_h - lse)); lse unchanged
+    empty : (every split empty) out = 0, lse = +inf
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from .config import MergeConfig
+from .layout import D_V
+
+_LN2 = math.log(2.0)
+_LOG2_E = math.log2(math.e)
+
+
+class SparseMlaMergeKernel:
+    """The combine kernel for one ``MergeConfig``; ``__call__`` is the ``cute.jit`` launcher."""
+
+    def __init__(self, cfg: MergeConfig):
+        cfg.check()
+        self.cfg = cfg
+        self.vec = D_V // cfg.num_threads
+
+    def fake_args(self) -> list:
+        """Stand-ins for every ``__call__`` argument, to compile with no tensors and no GPU."""
+        from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+        def ptr(dtype, align):
+            return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+        return [
+            ptr(Float32, 16), ptr(Float32, 4), Int32(1), Int32(1), Int32(1), ptr(Float32, 4),
+            ptr(BFloat16, 8), Int64(0), Int64(0), ptr(Float32, 4), Int64(0), Int64(0), make_fake_stream(),
+        ]
+
+    @cute.jit
+    def __call__(
+        self,
+        o_part: cute.Pointer,  # f32 [T, S, H, 512]
+        lse_part: cute.Pointer,  # f32 [T, S, H], log2 units
+        num_tokens: Int32,
+        num_splits: Int32,
+        num_heads: Int32,
+        attn_sink: cute.Pointer,  # f32 [H] (read only when cfg.has_sink)
+        out: cute.Pointer,  # bf16 [T, H, 512], rows 8-byte aligned
+        out_stride_t: Int64,  # elements
+        out_stride_h: Int64,
+        lse: cute.Pointer,  # f32 [T, H]
+        lse_stride_t: Int64,
+        lse_stride_h: Int64,
+        stream,
+    ):
+        self.kernel(
+            o_part, lse_part, num_splits, num_heads, attn_sink,
+            out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h,
+        ).launch(grid=(num_tokens, num_heads, 1), block=(self.cfg.num_threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        o_part: cute.Pointer,
+        lse_part: cute.Pointer,
+        num_splits: Int32,
+        num_heads: Int32,
+        attn_sink: cute.Pointer,
+        out: cute.Pointer,
+        out_stride_t: Int64,
+        out_stride_h: Int64,
+        lse: cute.Pointer,
+        lse_stride_t: Int64,
+        lse_stride_h: Int64,
+    ):
+        vec = self.vec
+        tidx, _, _ = cute.arch.thread_idx()
+        token, head, _ = cute.arch.block_idx()
+        gLse = cute.make_tensor(
+            cute.make_ptr(Float32, lse_part.toint() + (Int64(token) * num_splits * num_heads + head) * 4,
+                          cute.AddressSpace.gmem, assumed_align=4),
+            cute.make_layout(num_splits, stride=num_heads),
+        )
+        m = -Float32.inf
+        for s in cutlass.range(num_splits, unroll=1):
+            m = cute.arch.fmax(m, gLse[s])
+
+        acc = cute.make_rmem_tensor(vec, Float32)
+        acc.fill(0.0)
+        lse_out = Float32.inf
+        if m != -Float32.inf:
+            total = Float32(0.0)
+            for s in cutlass.range(num_splits, unroll=1):
+                w = cute.math.exp2(gLse[s] - m, fastmath=True)
+                total = total + w
+                gO = cute.make_tensor(
+                    cute.make_ptr(
+                        Float32,
+                        o_part.toint() + ((Int64(token) * num_splits + s) * num_heads + head) * (D_V * 4) + tidx * (vec * 4),
+                        cute.AddressSpace.gmem, assumed_align=16,
+                    ),
+                    cute.make_layout(vec),
+                )
+                acc.store(acc.load() + gO.load() * w)
+            lse2 = m + cute.math.log2(total, fastmath=False)
+            gate = 1.0 / total
+            if const_expr(self.cfg.has_sink):
+                sink = cute.make_tensor(
+                    cute.make_ptr(Float32, attn_sink.toint() + Int64(head) * 4, cute.AddressSpace.gmem, assumed_align=4),
+                    cute.make_layout(1),
+                )[0]
+                # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2**(sink*log2(e) - lse2)); +inf -> 0, -inf -> 1
+                gate = gate / (1.0 + cute.math.exp2(sink * _LOG2_E - lse2, fastmath=False))
+            acc.store(acc.load() * gate)
+            lse_out = lse2 * _LN2
+
+        gOut = cute.make_tensor(
+            cute.make_ptr(
+                BFloat16,
+                out.toint() + (Int64(token) * out_stride_t + Int64(head) * out_stride_h + tidx * vec) * 2,
+                cute.AddressSpace.gmem, assumed_align=8,
+            ),
+            cute.make_layout(vec),
+        )
+        gOut.store(acc.load().to(BFloat16))
+        if tidx == 0:
+            gL = cute.make_tensor(
+                cute.make_ptr(Float32, lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4,
+                              cute.AddressSpace.gmem, assumed_align=4),
+                cute.make_layout(1),
+            )
+            gL[0] = lse_out

@@ -1,0 +1,509 @@
+"""Split-K partial kernel of DeepSeek-V4 sparse MLA decode (CuTe DSL, warp-level MMA).
+
+Work item (one CTA): query token t, a block of 16 query heads, and a contiguous range of
+"chunks" of ``block_n`` selected entries. The chunks of a token are numbered main first,
+then extra: chunk c < ceil(topk / block_n) reads the main cache, the rest the extra cache.
+Grid: (num_tokens, ceil(H / 16), num_splits); split s owns chunks
+``[s * chunks_per_split, (s + 1) * chunks_per_split)``.
+
+Per chunk:
+1. gather: each selected slot's 576 data bytes (36 x 16-byte cp.async) and 8 scale bytes
+   (one 8-byte cp.async) land in a raw shared-memory stage; an invalid entry (-1, a slot
+   outside the cache, or a position past topk_length) is never read. Two stages: the
+   gather of chunk c+1 is in flight while chunk c is computed.
+2. dequantize: FP8 nope bytes times 2**(scale - 127) and the bf16 rope values become a
+   bf16 tile [block_n, 512] (swizzled for ldmatrix); invalid entries become rows of 0.
+3. S = Q K^T on the tensor cores (mma.sync m16n8k16 bf16 -> f32). Warp w multiplies its
+   own 128-wide slice of the QK width (Q slice kept in registers for the whole kernel);
+   the four partial S tiles are summed through shared memory, so every warp holds the
+   full S [16, block_n] and runs the same online softmax (log2 domain) on it.
+4. O_w += P V_w: P (bf16, straight from the S registers) times the warp's 128-wide slice
+   of the value (the same tile, read transposed by ldmatrix).
+
+Output: per (token, split, head) the normalized partial output (f32, 512) and its lse in
+log2 units (-inf for a split with no valid entry); ``merge.py`` combines the splits.
+
+Inputs are raw device pointers plus integer strides, so one compiled kernel serves every
+shape: nothing about num_tokens, num_heads, topk, extra_topk or the page block sizes is
+baked into the code.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.memory import SmemAllocator
+
+from .config import PartialConfig
+from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE, UE8M0_BIAS
+
+_LOG2_E = math.log2(math.e)
+
+
+def _bits_to_f32(bits: Int32) -> Float32:
+    """Reinterpret the bits of an Int32 as a Float32."""
+    return Float32(llvm.bitcast(Float32.mlir_type, bits.ir_value()))
+
+
+class SparseMlaPartialKernel:
+    """The partial kernel for one ``PartialConfig``; ``__call__`` is the ``cute.jit`` launcher."""
+
+    def __init__(self, cfg: PartialConfig):
+        cfg.check()
+        self.cfg = cfg
+        self.hb = cfg.heads_per_cta
+        self.bn = cfg.block_n
+        self.nthr = cfg.num_threads
+        self.nwarps = cfg.num_warps
+        self.wslice = D_QK // cfg.num_warps  # QK/output columns per warp
+        self.stage_bytes = cfg.stage_bytes
+        self.scale_off = cfg.block_n * ROW_BYTES  # scales follow the rows in a stage
+
+    def fake_args(self) -> list:
+        """Stand-ins for every ``__call__`` argument, to compile with no tensors and no GPU."""
+        from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+        def ptr(dtype, align):
+            return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+        source = [ptr(Uint8, 16), Int32(1), Int64(0), Int32(1), ptr(Int32, 4), Int64(0), Int32(1), ptr(Int32, 4)]
+        return (
+            [ptr(BFloat16, 16), Int64(0), Int64(0), Int32(1), Int32(1)]
+            + source
+            + source
+            + [Float32(1.0), Int32(1), Int32(1), ptr(Float32, 16), ptr(Float32, 4), make_fake_stream()]
+        )
+
+    # ------------------------------------------------------------------ launcher
+    @cute.jit
+    def __call__(
+        self,
+        q: cute.Pointer,  # bf16 [T, H, 512], 16-byte aligned rows
+        q_stride_t: Int64,  # elements
+        q_stride_h: Int64,  # elements
+        num_tokens: Int32,
+        num_heads: Int32,
+        main_cache: cute.Pointer,  # uint8 blocks, 16-byte aligned
+        main_page: Int32,
+        main_block_stride: Int64,  # bytes
+        main_num_slots: Int32,
+        main_idx: cute.Pointer,  # int32 [T, topk]
+        main_idx_stride: Int64,  # elements
+        main_topk: Int32,
+        main_len: cute.Pointer,  # int32 [T] (read only when cfg.has_topk_length)
+        extra_cache: cute.Pointer,
+        extra_page: Int32,
+        extra_block_stride: Int64,
+        extra_num_slots: Int32,
+        extra_idx: cute.Pointer,
+        extra_idx_stride: Int64,
+        extra_topk: Int32,  # 0 when there is no extra cache
+        extra_len: cute.Pointer,
+        sm_scale_log2: Float32,  # sm_scale * log2(e)
+        chunks_per_split: Int32,
+        num_splits: Int32,
+        o_part: cute.Pointer,  # f32 [T, num_splits, H, 512]
+        lse_part: cute.Pointer,  # f32 [T, num_splits, H], log2 units
+        stream,
+    ):
+        # bf16 tile [rows, 512] in 8x64 swizzled atoms: conflict-free ldmatrix, both ways.
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        kv_layout = cute.tile_to_shape(atom, (self.bn, D_QK), (0, 1))
+        q_layout = cute.tile_to_shape(atom, (self.hb, D_QK), (0, 1))
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
+            (1, 1, 1),
+            permutation_mnk=(16, 16, 16),
+        )
+        # 16-byte stores of 8 bf16 into a [rows, 512] tile: threads (nthr/64, 64), values (1, 8).
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        tiled_store = cute.make_tiled_copy_tv(
+            store_atom,
+            cute.make_layout((self.nthr // 64, 64), stride=(64, 1)),
+            cute.make_layout((1, 8)),
+        )
+        head_blocks = (num_heads + self.hb - 1) // self.hb
+        self.kernel(
+            q, q_stride_t, q_stride_h, num_heads,
+            main_cache, main_page, main_block_stride, main_num_slots,
+            main_idx, main_idx_stride, main_topk, main_len,
+            extra_cache, extra_page, extra_block_stride, extra_num_slots,
+            extra_idx, extra_idx_stride, extra_topk, extra_len,
+            sm_scale_log2, chunks_per_split, num_splits, o_part, lse_part,
+            kv_layout, q_layout, tiled_mma, tiled_store,
+        ).launch(
+            grid=(num_tokens, head_blocks, num_splits),
+            block=(self.nthr, 1, 1),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    @cute.jit
+    def _load_i32(self, addr: Int64) -> Int32:
+        ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
+        return cute.make_tensor(ptr, cute.make_layout(1))[0]
+
+    @cute.jit
+    def _entry_slot(self, idx_addr: Int64, pos: Int32, limit: Int32, num_slots: Int32) -> Int32:
+        """The cache slot of list position ``pos``, or -1 when the entry does not count."""
+        slot = Int32(-1)
+        if pos < limit:
+            v = self._load_i32(idx_addr + Int64(pos) * 4)
+            if v >= 0:
+                if v < num_slots:
+                    slot = v
+        return slot
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Pointer,
+        q_stride_t: Int64,
+        q_stride_h: Int64,
+        num_heads: Int32,
+        main_cache: cute.Pointer,
+        main_page: Int32,
+        main_block_stride: Int64,
+        main_num_slots: Int32,
+        main_idx: cute.Pointer,
+        main_idx_stride: Int64,
+        main_topk: Int32,
+        main_len: cute.Pointer,
+        extra_cache: cute.Pointer,
+        extra_page: Int32,
+        extra_block_stride: Int64,
+        extra_num_slots: Int32,
+        extra_idx: cute.Pointer,
+        extra_idx_stride: Int64,
+        extra_topk: Int32,
+        extra_len: cute.Pointer,
+        sm_scale_log2: Float32,
+        chunks_per_split: Int32,
+        num_splits: Int32,
+        o_part: cute.Pointer,
+        lse_part: cute.Pointer,
+        kv_layout: cute.ComposedLayout,
+        q_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        tiled_store: cute.TiledCopy,
+    ):
+        bn, hb, nthr = self.bn, self.hb, self.nthr
+        tidx, _, _ = cute.arch.thread_idx()
+        token, head_block, split = cute.arch.block_idx()
+        warp_id = tidx // 32
+        lane = tidx % 32
+        head0 = head_block * hb
+
+        # ---- the chunks of this split, and where each source's lists live
+        n_main_chunks = (main_topk + bn - 1) // bn
+        n_chunks = n_main_chunks + (extra_topk + bn - 1) // bn
+        c_begin = split * chunks_per_split
+        c_end = cutlass.min(c_begin + chunks_per_split, n_chunks)
+
+        main_limit = main_topk
+        if const_expr(self.cfg.has_topk_length):
+            main_limit = cutlass.max(cutlass.min(self._load_i32(main_len.toint() + Int64(token) * 4), main_topk), 0)
+        extra_limit = extra_topk
+        if const_expr(self.cfg.has_extra_topk_length):
+            extra_limit = cutlass.max(cutlass.min(self._load_i32(extra_len.toint() + Int64(token) * 4), extra_topk), 0)
+        main_idx_row = main_idx.toint() + Int64(token) * main_idx_stride * 4
+        extra_idx_row = extra_idx.toint() + Int64(token) * extra_idx_stride * 4
+
+        # ---- shared memory
+        smem = SmemAllocator()
+        sKV = smem.allocate_tensor(BFloat16, kv_layout, byte_alignment=1024)
+        sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
+        sS = smem.allocate_tensor(
+            Float32, cute.make_layout((hb, bn, self.nwarps), stride=(bn, 1, hb * bn)), byte_alignment=16
+        )
+        sSlot = smem.allocate_tensor(Int32, cute.make_layout((bn, self.cfg.num_stages)), byte_alignment=16)
+        sQ = cute.make_tensor(sKV.iterator, q_layout)  # Q is staged in the KV tile first
+        raw_base = sRaw.iterator.toint()
+
+        g2s_16 = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=128)
+        g2s_8 = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64)
+
+        # ---- stage Q [16, 512] (rows >= H are zero-filled, never read)
+        thr_store = tiled_store.get_slice(tidx)
+        tQsQ = thr_store.partition_D(sQ)
+        tQcQ = thr_store.partition_D(cute.make_identity_tensor((hb, D_QK)))
+        for i in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            row = tQcQ[(0, 0), i, 0][0]
+            col = tQcQ[(0, 0), i, 0][1]
+            if head0 + row < num_heads:
+                addr = q.toint() + (Int64(token) * q_stride_t + Int64(head0 + row) * q_stride_h + Int64(col)) * 2
+                src = cute.make_tensor(
+                    cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8)
+                )
+                cute.copy(cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128), src, tQsQ[None, i, 0])
+            else:
+                tQsQ[None, i, 0].fill(0.0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
+        thr_mma = tiled_mma.get_slice(lane)
+        sQ_w = cute.local_tile(sQ, (hb, self.wslice), (0, warp_id))
+        sK_w = cute.local_tile(sKV, (bn, self.wslice), (0, warp_id))
+        sVt = cute.composition(sKV, cute.make_layout((D_QK, bn), stride=(bn, 1)))
+        sVt_w = cute.local_tile(sVt, (self.wslice, bn), (warp_id, 0))
+
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_w))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hb, self.wslice)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        thr_ld_Q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(lane)
+        thr_ld_K = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(lane)
+        thr_ld_V = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
+        tSsQ = thr_ld_Q.partition_S(sQ_w)
+        tSrQ_v = thr_ld_Q.retile(tSrQ)
+        tSsK = thr_ld_K.partition_S(sK_w)
+        tSrK_v = thr_ld_K.retile(tSrK)
+        tOsVt = thr_ld_V.partition_S(sVt_w)
+        tOrVt_v = thr_ld_V.retile(tOrVt)
+
+        # Q stays in registers for the whole kernel.
+        for k in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
+            cute.copy(ldsm, tSsQ[None, None, k], tSrQ_v[None, None, k])
+        cute.arch.sync_threads()  # the KV tile is reused from here on
+
+        # S exchange views and the (row, column) of each accumulator element
+        tSsS = [thr_mma.partition_C(sS[None, None, w]) for w in range(self.nwarps)]
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((hb, bn)))
+        row_max = cute.make_rmem_tensor(2, Float32)  # rows g and g+8 of this thread
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # ---- dequantization partition of the KV tile (thread owns one 8-column group)
+        tXsKV = thr_store.partition_D(sKV)
+        tXcKV = thr_store.partition_D(cute.make_identity_tensor((bn, D_QK)))
+
+        ctx = SimpleNamespace(
+            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sSlot=sSlot,
+            main_idx_row=main_idx_row, main_limit=main_limit, main_num_slots=main_num_slots,
+            main_page=main_page, main_block_stride=main_block_stride, main_base=main_cache.toint(),
+            extra_idx_row=extra_idx_row, extra_limit=extra_limit, extra_num_slots=extra_num_slots,
+            extra_page=extra_page, extra_block_stride=extra_block_stride, extra_base=extra_cache.toint(),
+            g2s_16=g2s_16, g2s_8=g2s_8, tXsKV=tXsKV, tXcKV=tXcKV,
+        )
+
+        # ---- main loop over the chunks of this split
+        if c_begin < c_end:
+            self._issue_gather(ctx, c_begin, Int32(0))
+        for c in cutlass.range(c_begin, c_end, 1, unroll=1):
+            stage = (c - c_begin) % 2
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # chunk c landed; last step's readers are done
+            if c + 1 < c_end:
+                self._issue_gather(ctx, c + 1, 1 - stage)
+            self._dequantize(ctx, stage)
+            cute.arch.sync_threads()
+
+            # S_w = Q_w K_w^T over this warp's slice of the QK width
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hb, bn)), Float32)
+            acc_S.fill(0.0)
+            for k in cutlass.range_constexpr(cute.size(tSsK, mode=[2])):
+                cute.copy(ldsm, tSsK[None, None, k], tSrK_v[None, None, k])
+                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+            for w in cutlass.range_constexpr(self.nwarps):
+                if warp_id == w:
+                    cute.autovec_copy(acc_S, tSsS[w])
+            cute.arch.sync_threads()
+            # full S = sum of the warps' slices, in a fixed order (identical in every warp)
+            acc_S.store(tSsS[0].load())
+            for w in cutlass.range_constexpr(1, self.nwarps):
+                acc_S.store(acc_S.load() + tSsS[w].load())
+
+            # online softmax in log2 units; invalid entries -> -inf
+            acc_S_mn = self._mn_view(acc_S)
+            tScS_mn = self._mn_view(tScS)
+            acc_O_mn = self._mn_view(acc_O)
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    col = tScS_mn[0, j][1]
+                    s = acc_S_mn[r, j] * sm_scale_log2
+                    if sSlot[col, stage] < 0:
+                        s = -Float32.inf
+                    acc_S_mn[r, j] = s
+                m_chunk = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                m_chunk = self._quad_allreduce(m_chunk, cute.arch.fmax)
+                m_new = cute.arch.fmax(row_max[r], m_chunk)
+                m_base = m_new
+                if m_new == -Float32.inf:
+                    m_base = Float32(0.0)
+                correction = cute.math.exp2(row_max[r] - m_base, fastmath=True)
+                p = cute.math.exp2(acc_S_mn[r, None].load() - m_base, fastmath=True)
+                acc_S_mn[r, None] = p
+                row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                row_max[r] = m_new
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * correction
+
+            # O_w += P V_w
+            rP = cute.make_fragment_like(acc_S, BFloat16)
+            rP.store(acc_S.load().to(BFloat16))
+            tOrP = self._acc_as_a_operand(rP)
+            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.copy(ldsm_t, tOsVt[None, None, k], tOrVt_v[None, None, k])
+                cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+        # ---- epilogue: normalized partial O and its log2 lse
+        acc_O_mn = self._mn_view(acc_O)
+        num_h = num_heads
+        o_row0 = (Int64(token) * num_splits + split) * num_h
+        gO = cute.make_tensor(
+            cute.make_ptr(Float32, o_part.toint() + (o_row0 + head0) * (D_QK * 4), cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((hb, D_QK), stride=(D_QK, 1)),
+        )
+        tOgO_mn = self._mn_view(thr_mma.partition_C(cute.local_tile(gO, (hb, self.wslice), (0, warp_id))))
+        tOcO_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((hb, self.wslice))))
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
+            inv = Float32(0.0)
+            if total > 0.0:
+                inv = 1.0 / total
+            row = tOcO_mn[r, 0][0]
+            if head0 + row < num_heads:
+                for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                    tOgO_mn[r, j] = acc_O_mn[r, j] * inv
+                if warp_id == 0:
+                    if lane % 4 == 0:
+                        lse2 = -Float32.inf
+                        if total > 0.0:
+                            lse2 = row_max[r] + cute.math.log2(total, fastmath=False)
+                        gL = cute.make_tensor(
+                            cute.make_ptr(Float32, lse_part.toint() + (o_row0 + head0 + row) * 4, cute.AddressSpace.gmem, assumed_align=4),
+                            cute.make_layout(1),
+                        )
+                        gL[0] = lse2
+
+    # ------------------------------------------------------------------ per-chunk stages
+    @cute.jit
+    def _issue_gather(self, ctx: SimpleNamespace, c: Int32, stage: Int32):
+        """Start the cp.async gather of chunk ``c`` into raw stage ``stage``; record its slots."""
+        bn, nthr, tidx, sSlot = self.bn, self.nthr, ctx.tidx, ctx.sSlot
+        is_extra = c >= ctx.n_main_chunks
+        pos0 = c * bn
+        idx_row = ctx.main_idx_row
+        limit = ctx.main_limit
+        num_slots = ctx.main_num_slots
+        page = ctx.main_page
+        block_stride = ctx.main_block_stride
+        base = ctx.main_base
+        if is_extra:
+            pos0 = (c - ctx.n_main_chunks) * bn
+            idx_row = ctx.extra_idx_row
+            limit = ctx.extra_limit
+            num_slots = ctx.extra_num_slots
+            page = ctx.extra_page
+            block_stride = ctx.extra_block_stride
+            base = ctx.extra_base
+        stage_base = ctx.raw_base + stage * self.stage_bytes
+        pieces = ROW_BYTES // 16
+        for i in cutlass.range_constexpr(bn * pieces // nthr):
+            p = tidx + i * nthr
+            e = p // pieces
+            piece = p - e * pieces
+            slot = self._entry_slot(idx_row, pos0 + e, limit, num_slots)
+            if slot >= 0:
+                blk = slot // page
+                off = slot - blk * page
+                gaddr = base + Int64(blk) * block_stride + Int64(off) * ROW_BYTES + piece * 16
+                src = cute.make_tensor(
+                    cute.make_ptr(Uint8, gaddr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(16)
+                )
+                dst = cute.make_tensor(
+                    cute.make_ptr(Uint8, stage_base + e * ROW_BYTES + piece * 16, cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout(16),
+                )
+                cute.copy(ctx.g2s_16, src, dst)
+        if tidx < bn:
+            slot = self._entry_slot(idx_row, pos0 + tidx, limit, num_slots)
+            sSlot[tidx, stage] = slot
+            if slot >= 0:
+                blk = slot // page
+                off = slot - blk * page
+                gaddr = base + Int64(blk) * block_stride + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
+                src = cute.make_tensor(
+                    cute.make_ptr(Uint8, gaddr, cute.AddressSpace.gmem, assumed_align=8), cute.make_layout(8)
+                )
+                dst = cute.make_tensor(
+                    cute.make_ptr(Uint8, stage_base + self.scale_off + tidx * SCALE_BYTES, cute.AddressSpace.smem, assumed_align=8),
+                    cute.make_layout(8),
+                )
+                cute.copy(ctx.g2s_8, src, dst)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _dequantize(self, ctx: SimpleNamespace, stage: Int32):
+        """Dequantize a landed raw stage into the bf16 KV tile (invalid entries -> rows of 0)."""
+        tXsKV, tXcKV, sSlot = ctx.tXsKV, ctx.tXcKV, ctx.sSlot
+        stage_base = ctx.raw_base + stage * self.stage_bytes
+        for i in cutlass.range_constexpr(cute.size(tXsKV, mode=[1])):
+            row = tXcKV[(0, 0), i, 0][0]
+            col = tXcKV[(0, 0), i, 0][1]
+            dst = tXsKV[None, i, 0]
+            if sSlot[row, stage] < 0:
+                dst.fill(0.0)
+            else:
+                if col < D_NOPE:
+                    f8 = cute.make_tensor(
+                        cute.make_ptr(Float8E4M3FN, stage_base + row * ROW_BYTES + col, cute.AddressSpace.smem, assumed_align=8),
+                        cute.make_layout(8),
+                    )
+                    sb = cute.make_tensor(
+                        cute.make_ptr(Uint8, stage_base + self.scale_off + row * SCALE_BYTES + col // TILE, cute.AddressSpace.smem, assumed_align=1),
+                        cute.make_layout(1),
+                    )[0]
+                    scale = _bits_to_f32(Int32(sb) << 23)
+                    if sb == 0:
+                        scale = _bits_to_f32(Int32(1 << 22))  # 2**-127 is subnormal
+                    dst.store((f8.load().to(Float32) * scale).to(BFloat16))
+                else:
+                    rope = cute.make_tensor(
+                        cute.make_ptr(BFloat16, stage_base + row * ROW_BYTES + D_NOPE + (col - D_NOPE) * 2, cute.AddressSpace.smem, assumed_align=16),
+                        cute.make_layout(8),
+                    )
+                    dst.store(rope.load())
+
+    # ------------------------------------------------------------------ layout helpers
+    @staticmethod
+    def _mn_view(acc: cute.Tensor) -> cute.Tensor:
+        """View an m16n8 accumulator fragment ((2, 2), M, N) as (rows, columns) of this thread."""
+        lay = cute.make_layout(acc.layout.shape)
+        mn = cute.make_layout(
+            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+    @staticmethod
+    def _acc_as_a_operand(rP: cute.Tensor) -> cute.Tensor:
+        """Regroup an m16n8 accumulator ((2, 2), M, N) as the A operand ((2, 2, 2), M, N / 2) of m16n8k16."""
+        div = cute.logical_divide(rP.layout, (None, None, 2))
+        lay = cute.make_layout(
+            ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
+            stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
+        )
+        return cute.make_tensor(rP.iterator, lay)
+
+    @staticmethod
+    def _quad_allreduce(val, op):
+        """Reduce over the 4 threads of an MMA quad (they hold the same rows)."""
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=2, mask=-1, mask_and_clamp=31))
+        val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1, mask=-1, mask_and_clamp=31))
+        return val

@@ -1,0 +1,317 @@
+"""Public API: ``sparse_mla_decode``, DeepSeek-V4 sparse MLA decode on the FP8 cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
+from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, read_cache_view
+from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
+
+from . import loader
+from .metadata import DecodeMetadata, InvalidDecodeInput
+from .splits import plan_splits
+from .variants import variants_for
+
+_LOG2_E = math.log2(math.e)
+_INT32_MAX = 2**31 - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _device_target(index: int):
+    """(compile arch or None, SM count) of a CUDA device; read once per device."""
+    props = torch.cuda.get_device_properties(index)
+    return arch_for_capability((props.major, props.minor)), props.multi_processor_count
+
+
+# ---------------------------------------------------------------------- metadata of a call
+def _dim(t, i):
+    try:
+        return int(t.shape[i])
+    except Exception:
+        return None
+
+
+def _page_size(cache):
+    try:
+        return read_cache_view(cache).page_block_size
+    except Exception:
+        return None
+
+
+def _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
+                   attn_sink) -> DecodeMetadata:
+    """Best-effort metadata (fields that cannot be read yet stay None) for error messages."""
+    lead = None
+    if isinstance(q, torch.Tensor) and q.dim() >= 3:
+        lead = math.prod(q.shape[:-2])
+    return DecodeMetadata(
+        num_tokens=lead,
+        num_heads=_dim(q, -2) if isinstance(q, torch.Tensor) and q.dim() >= 3 else None,
+        d_qk=_dim(q, -1) if isinstance(q, torch.Tensor) else None,
+        topk=_dim(indices, -1) if isinstance(indices, torch.Tensor) else None,
+        page_block_size=_page_size(kv_cache),
+        extra_topk=(_dim(extra_indices, -1) if isinstance(extra_indices, torch.Tensor) else 0),
+        extra_page_block_size=_page_size(extra_kv_cache) if extra_kv_cache is not None else None,
+        has_topk_length=topk_length is not None,
+        has_extra_topk_length=extra_topk_length is not None,
+        has_sink=attn_sink is not None,
+    )
+
+
+# ---------------------------------------------------------------------- validation
+class _Checker:
+    """Raises ``InvalidDecodeInput`` naming the call for the first problem found."""
+
+    def __init__(self, md: DecodeMetadata):
+        self.md = md
+
+    def fail(self, problem: str):
+        raise InvalidDecodeInput(self.md, problem)
+
+    def tensor(self, t, name: str, dtype: torch.dtype | tuple, device: torch.device):
+        if not isinstance(t, torch.Tensor):
+            self.fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in dtypes:
+            want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+            self.fail(f"{name} must be {want}, got {str(t.dtype).replace('torch.', '')}")
+        if t.device != device:
+            self.fail(f"{name} is on {t.device}, expected {device} (the device of q)")
+
+    def shape(self, t, name: str, expected: tuple):
+        if tuple(t.shape) != tuple(expected):
+            self.fail(f"{name} has shape {list(t.shape)}, expected {list(expected)}")
+
+    def rows(self, t, name: str, align_elems: int, align_bytes: int):
+        """Last dim contiguous; every other stride a multiple of ``align_elems``; pointer aligned."""
+        if t.numel() == 0:
+            return
+        if t.stride(-1) != 1:
+            self.fail(f"{name} must be contiguous in its last dimension, got strides {list(t.stride())}")
+        for i in range(t.dim() - 1):
+            if t.shape[i] > 1 and t.stride(i) % align_elems != 0:
+                self.fail(f"{name} strides {list(t.stride())} must be multiples of {align_elems} elements "
+                          f"(except the last)")
+        if t.data_ptr() % align_bytes != 0:
+            self.fail(f"{name} data pointer must be {align_bytes}-byte aligned")
+
+    def cache(self, cache, name: str, device: torch.device) -> CacheView:
+        if not isinstance(cache, torch.Tensor):
+            self.fail(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+        if cache.device != device:
+            self.fail(f"{name} is on {cache.device}, expected {device} (the device of q)")
+        try:
+            view = read_cache_view(cache, name)
+        except CacheLayoutError as err:
+            self.fail(str(err))
+        return view
+
+
+def _flatten_tokens(t: torch.Tensor, keep: int, name: str, check: _Checker) -> torch.Tensor:
+    """View ``t`` with its leading dims flattened into one (the last ``keep`` dims kept)."""
+    if t.dim() == keep + 1:
+        return t
+    try:
+        return t.view(-1, *t.shape[t.dim() - keep:]) if t.numel() else t.reshape(-1, *t.shape[t.dim() - keep:])
+    except RuntimeError:
+        check.fail(f"{name} of shape {list(t.shape)} and strides {list(t.stride())}: its leading "
+                   f"dimensions cannot be flattened without a copy; pass a tensor whose tokens are evenly strided")
+
+
+def _lengths(t, name: str, num_tokens: int, lead: tuple, device, check: _Checker):
+    check.tensor(t, name, torch.int32, device)
+    if tuple(t.shape) not in {(num_tokens,), tuple(lead)}:
+        check.fail(f"{name} has shape {list(t.shape)}, expected [{num_tokens}] (one length per query token)")
+    t = t.reshape(num_tokens)
+    if t.stride(0) != 1 and num_tokens > 1:
+        check.fail(f"{name} must be contiguous")
+    return t
+
+
+def _indices(t, name: str, lead: tuple, num_tokens: int, device, check: _Checker, allow_empty: bool):
+    check.tensor(t, name, torch.int32, device)
+    if t.dim() < 2 or (tuple(t.shape[:-1]) not in {tuple(lead), (num_tokens,), (num_tokens, 1)}):
+        check.fail(f"{name} has shape {list(t.shape)}, expected [{num_tokens}, topk], "
+                   f"[{num_tokens}, 1, topk] or {list(lead) + ['topk']} (int32 cache slots, -1 for none)")
+    if t.shape[-1] == 0 and not allow_empty:
+        check.fail(f"{name} selects no entry (topk = 0); topk must be at least 1")
+    if t.shape[-1] > 0 and t.stride(-1) != 1:
+        check.fail(f"{name} must be contiguous in its last dimension, got strides {list(t.stride())}")
+    flat = t.reshape(num_tokens, t.shape[-1]) if t.shape[-1] > 0 else t.new_empty(num_tokens, 0)
+    if flat.shape[-1] > 0 and flat.data_ptr() != t.data_ptr():
+        check.fail(f"{name}: its token dimensions cannot be flattened without a copy")
+    return flat
+
+
+# ---------------------------------------------------------------------- public API
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 sparse MLA decode over a paged FP8 cache in the "MODEL1" layout.
+
+    Args:
+        q: ``[T, H, 512]`` (or ``[B, S, H, 512]``) bf16 queries, 448 nope + 64 rope dims.
+        kv_cache: the FP8 cache, uint8 or float8_e4m3fn, as ``[num_blocks, P, 1, 584]``,
+            ``[num_blocks, 1, P, 584]`` or ``[num_blocks, P*584]``; any block stride that is a
+            multiple of 16 bytes and at least P*584.
+        indices: ``[T, topk]`` (or ``[T, 1, topk]``, ``[B, S, topk]``) int32 cache slots,
+            slot = block * P + offset. -1, and any slot outside the cache, is ignored.
+        sm_scale: softmax scale, default ``512 ** -0.5``.
+        topk_length: optional ``[T]`` int32; only the first ``topk_length[t]`` entries count
+            (negative counts as 0, past topk as topk).
+        attn_sink: optional ``[H]`` float32 sink logits.
+        extra_kv_cache, extra_indices, extra_topk_length: an optional second (compressed)
+            cache with its own page size and list; main and extra entries form ONE softmax.
+        out, lse: optional outputs, written in place.
+
+    Returns:
+        ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``, ``lse`` float32 ``[T, H]`` (leading dims
+        as ``q``). With s_j = sm_scale * <q, k_j> over the valid entries j:
+        ``lse = ln(sum_j exp(s_j))`` (natural log, the sink NOT folded in) and
+        ``out = sum_j softmax(s)_j v_j``, times ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``
+        when a sink is given. k_j and v_j are the same dequantized 512-dim latent.
+        A token with no valid entry gets ``out = 0`` and ``lse = +inf``.
+
+    Raises:
+        InvalidDecodeInput (a ValueError): before any GPU work, for an input this function
+        cannot serve; the message names the call's shape and what was expected.
+    """
+    md = _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
+                        attn_sink)
+    check = _Checker(md)
+
+    # q: [T, H, 512] or [B, S, H, 512]
+    if not isinstance(q, torch.Tensor):
+        check.fail(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() not in (3, 4):
+        check.fail(f"q has shape {list(q.shape)}, expected [num_tokens, num_heads, {D_QK}] or "
+                   f"[batch, seq, num_heads, {D_QK}]")
+    if q.shape[-1] != D_QK:
+        check.fail(f"q has QK width {q.shape[-1]}, expected d_qk = {D_QK} (448 nope + 64 rope dims)")
+    if q.dtype != torch.bfloat16:
+        check.fail(f"q must be bfloat16, got {str(q.dtype).replace('torch.', '')}")
+    device = q.device
+    lead = tuple(q.shape[:-2])
+    num_heads = q.shape[-2]
+    if num_heads < 1:
+        check.fail("num_heads must be at least 1")
+    q3 = _flatten_tokens(q, 2, "q", check)
+    num_tokens = q3.shape[0]
+    check.rows(q3, "q", 8, 16)
+
+    # caches and lists
+    main = check.cache(kv_cache, "kv_cache", device)
+    idx = _indices(indices, "indices", lead, num_tokens, device, check, allow_empty=False)
+    has_extra = extra_kv_cache is not None or extra_indices is not None
+    if (extra_kv_cache is None) != (extra_indices is None):
+        check.fail("extra_kv_cache and extra_indices go together: pass both or neither")
+    if extra_topk_length is not None and not has_extra:
+        check.fail("extra_topk_length was given without extra_kv_cache / extra_indices")
+    extra, extra_idx = main, None
+    if has_extra:
+        extra = check.cache(extra_kv_cache, "extra_kv_cache", device)
+        extra_idx = _indices(extra_indices, "extra_indices", lead, num_tokens, device, check, allow_empty=True)
+    lens = None if topk_length is None else _lengths(topk_length, "topk_length", num_tokens, lead, device, check)
+    extra_lens = (None if extra_topk_length is None
+                  else _lengths(extra_topk_length, "extra_topk_length", num_tokens, lead, device, check))
+
+    # scalars and outputs
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D_QK)
+    if isinstance(sm_scale, torch.Tensor) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        check.fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+    if attn_sink is not None:
+        check.tensor(attn_sink, "attn_sink", torch.float32, device)
+        check.shape(attn_sink, "attn_sink", (num_heads,))
+        if num_heads > 1 and attn_sink.stride(0) != 1:
+            check.fail("attn_sink must be contiguous")
+    if out is None:
+        out = torch.empty(*lead, num_heads, D_V, dtype=torch.bfloat16, device=device)
+    check.tensor(out, "out", torch.bfloat16, device)
+    check.shape(out, "out", (*lead, num_heads, D_V))
+    out3 = _flatten_tokens(out, 2, "out", check)
+    check.rows(out3, "out", 4, 8)
+    if lse is None:
+        lse = torch.empty(*lead, num_heads, dtype=torch.float32, device=device)
+    check.tensor(lse, "lse", torch.float32, device)
+    check.shape(lse, "lse", (*lead, num_heads))
+    lse2 = _flatten_tokens(lse, 1, "lse", check)
+
+    if device.type != "cuda":
+        check.fail(f"the inputs are on {device}: the kernels run on CUDA devices only")
+    arch, num_sms = _device_target(device.index if device.index is not None else torch.cuda.current_device())
+    if arch is None:
+        check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
+                   f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    if num_tokens == 0:
+        return out, lse
+
+    extra_topk = 0 if extra_idx is None else extra_idx.shape[-1]
+    _launch(q3, main, idx, lens, extra, extra_idx if extra_topk > 0 else idx, extra_topk,
+            extra_lens if extra_topk > 0 else None, attn_sink, float(sm_scale), out3, lse2, md, arch, num_sms)
+    return out, lse
+
+
+def _launch(q, main, idx, lens, extra, extra_idx, extra_topk, extra_lens, attn_sink, sm_scale, out, lse, md, arch,
+            num_sms):
+    """Pick the variants, split the work, allocate the partials and launch both kernels."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint8
+    from cutlass.cute.runtime import make_ptr
+
+    from cute_kernels.sparse_mla_decode.config import PartialConfig
+
+    num_tokens, num_heads, _ = q.shape
+    md_launch = dataclasses.replace(md, has_extra_topk_length=extra_lens is not None)
+    partial_v, merge_v = variants_for(md_launch, arch)
+    cfg: PartialConfig = partial_v.config
+    device = q.device
+    plan = plan_splits(num_tokens, num_heads, idx.shape[-1], extra_topk, heads_per_cta=cfg.heads_per_cta,
+                       block_n=cfg.block_n, num_sms=num_sms)
+    o_part = torch.empty(num_tokens, plan.num_splits, num_heads, D_V, dtype=torch.float32, device=device)
+    lse_part = torch.empty(num_tokens, plan.num_splits, num_heads, dtype=torch.float32, device=device)
+
+    def ptr(t, dtype, align):
+        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+    def source(view, lists, lengths, topk):
+        return [
+            ptr(view.blocks, Uint8, 16), Int32(view.page_block_size), Int64(view.block_stride),
+            Int32(min(view.num_slots, _INT32_MAX)), ptr(lists, Int32, 4), Int64(lists.stride(0)), Int32(topk),
+            ptr(lengths if lengths is not None else lists, Int32, 4),
+        ]
+
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    partial = loader.get_compiled(partial_v)
+    merge = loader.get_compiled(merge_v)
+    with torch.cuda.device(device):
+        partial(
+            ptr(q, BFloat16, 16), Int64(q.stride(0)), Int64(q.stride(1)), Int32(num_tokens), Int32(num_heads),
+            *source(main, idx, lens, idx.shape[-1]),
+            *source(extra, extra_idx, extra_lens, extra_topk),
+            Float32(sm_scale * _LOG2_E), Int32(plan.chunks_per_split), Int32(plan.num_splits),
+            ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4), stream,
+        )
+        merge(
+            ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4), Int32(num_tokens), Int32(plan.num_splits),
+            Int32(num_heads), ptr(attn_sink if attn_sink is not None else lse_part, Float32, 4),
+            ptr(out, BFloat16, 8), Int64(out.stride(0)), Int64(out.stride(1)),
+            ptr(lse, Float32, 4), Int64(lse.stride(0)), Int64(lse.stride(1)), stream,
+        )

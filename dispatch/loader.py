@@ -1,0 +1,45 @@
+"""Compile a variant on first use and keep it for the life of the process."""
+
+from __future__ import annotations
+
+import threading
+
+from .variants import KernelVariant
+
+_compiled: dict[KernelVariant, object] = {}
+_lock = threading.Lock()
+compile_count = 0  # how many variants this process compiled (observable by tests and tools)
+
+
+def build_kernel(variant: KernelVariant):
+    """The kernel object (a ``cute.jit`` callable) of a variant."""
+    if variant.kind == "partial":
+        from cute_kernels.sparse_mla_decode.partial import SparseMlaPartialKernel
+
+        return SparseMlaPartialKernel(variant.config)
+    from cute_kernels.sparse_mla_decode.merge import SparseMlaMergeKernel
+
+    return SparseMlaMergeKernel(variant.config)
+
+
+def compile_variant(variant: KernelVariant):
+    """Compile a variant for its arch with stand-in arguments (no GPU needed)."""
+    import cutlass.cute as cute
+
+    kernel = build_kernel(variant)
+    return cute.compile(kernel, *kernel.fake_args(), options=f"--gpu-arch {variant.arch}")
+
+
+def get_compiled(variant: KernelVariant):
+    """The compiled callable of a variant, compiling it once per process."""
+    global compile_count
+    fn = _compiled.get(variant)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _compiled.get(variant)
+        if fn is None:
+            fn = compile_variant(variant)
+            _compiled[variant] = fn
+            compile_count += 1
+    return fn

@@ -1,0 +1,50 @@
+"""Random DSV4 decode inputs for tests and benchmarks: caches, lists, lengths, sinks."""
+
+from __future__ import annotations
+
+import torch
+
+from cute_kernels.sparse_mla_decode.cache_format import default_block_stride, pack_latent
+from cute_kernels.sparse_mla_decode.layout import D_QK, TOKEN_BYTES
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def make_cache(num_blocks: int, page: int, *, device, block_stride: int | None = None, poison_blocks=(),
+               layout: str = "nhd", gen: torch.Generator | None = None) -> torch.Tensor:
+    """A random FP8 cache. Blocks in ``poison_blocks`` and every padding byte are 0xFF (NaN as
+    e4m3 and as bf16, scale 2**128): a kernel that reads them produces NaN."""
+    latent = torch.randn(num_blocks, page, D_QK, generator=gen, device="cpu").to(torch.bfloat16)
+    stride = default_block_stride(page) if block_stride is None else block_stride
+    cache = pack_latent(latent.to(device), block_stride=stride)
+    buf = torch.as_strided(cache, (num_blocks, stride), (stride, 1))
+    buf[:, page * TOKEN_BYTES:] = 0xFF
+    for b in poison_blocks:
+        buf[b] = 0xFF
+    if layout == "nhd":
+        return cache
+    if layout == "hnd":
+        return torch.as_strided(buf, (num_blocks, 1, page, TOKEN_BYTES), (stride, TOKEN_BYTES, TOKEN_BYTES, 1))
+    if layout == "flat":
+        return torch.as_strided(buf, (num_blocks, page * TOKEN_BYTES), (stride, 1))
+    if layout == "fp8":
+        return cache.view(torch.float8_e4m3fn)
+    raise ValueError(layout)
+
+
+def make_indices(num_tokens: int, topk: int, num_slots: int, *, device, usable_blocks=None, page: int = 1,
+                 invalid_frac: float = 0.0, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Random slots (with duplicates allowed) from ``usable_blocks`` (all by default); a fraction
+    ``invalid_frac`` of entries replaced by -1, -2, INT32_MIN, INT32_MAX or num_slots."""
+    if usable_blocks is None:
+        slots = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int64)
+    else:
+        blocks = torch.tensor(list(usable_blocks), dtype=torch.int64)
+        pick = blocks[torch.randint(0, len(blocks), (num_tokens, topk), generator=gen)]
+        slots = pick * page + torch.randint(0, page, (num_tokens, topk), generator=gen)
+    if invalid_frac > 0:
+        bad_values = torch.tensor([-1, -2, INT32_MIN, INT32_MAX, num_slots], dtype=torch.int64)
+        mask = torch.rand(num_tokens, topk, generator=gen) < invalid_frac
+        bad = bad_values[torch.randint(0, len(bad_values), (num_tokens, topk), generator=gen)]
+        slots = torch.where(mask, bad, slots)
+    return slots.to(torch.int32).to(device)

@@ -1,0 +1,191 @@
+"""The decode kernels against the float32 reference, on a CUDA GPU (skipped without one).
+
+Every case draws fresh random inputs, poisons the outputs (NaN) before the launch, leaves
+NaN bytes in cache blocks nobody selected and in the padding between blocks, runs the call
+twice and requires bit-identical results (a moving result is a race).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from cute_kernels.sparse_mla_decode.reference import reference_decode
+from dispatch import sparse_mla_decode
+from tests.dsv4_inputs import make_cache, make_indices
+from tests.tolerances import LSE_ABS_MAX, OUT_REL_L2_MAX
+
+pytestmark = pytest.mark.gpu
+
+POISON_BLOCKS = (1, 4)  # NaN-filled blocks that no index selects
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    T: int
+    H: int
+    topk: int
+    page: int = 64
+    num_blocks: int = 48
+    extra_topk: int | None = None  # None: no extra cache
+    extra_page: int = 64
+    extra_blocks: int = 40
+    lengths: str | None = None  # None | "random" | "edge"
+    extra_lengths: str | None = None
+    sink: str | None = None  # None | "finite" | "+inf" | "-inf" | "mixed"
+    invalid: float = 0.0  # fraction of out-of-range / -1 entries
+    empty_tokens: bool = False  # some tokens select nothing
+    duplicates: bool = False  # every entry of a token is the same slot
+    layout: str = "nhd"
+    extra_layout: str = "nhd"
+    block_stride: int | None = None
+    q4d: bool = False  # q [B, S, H, 512], indices [B, S, topk]
+    q_head_pad: int = 0  # extra elements between heads of q (a strided view)
+    sm_scale: float | None = None
+
+    def __str__(self):
+        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                  if getattr(self, f.name) != f.default or f.name in ("T", "H", "topk")]
+        return ",".join(fields)
+
+
+CASES = [
+    Case(T=1, H=16, topk=128),
+    Case(T=1, H=1, topk=1),
+    Case(T=5, H=4, topk=64, invalid=0.3),
+    Case(T=7, H=8, topk=100, page=37, num_blocks=60, invalid=0.2),
+    Case(T=16, H=24, topk=192, page=256, num_blocks=12),
+    Case(T=64, H=32, topk=256, lengths="edge"),
+    Case(T=65, H=64, topk=512, sink="finite", lengths="random"),
+    Case(T=300, H=128, topk=128, num_blocks=64),
+    Case(T=8, H=128, topk=1024, sink="mixed", invalid=0.1),
+    Case(T=2, H=64, topk=1152, sink="+inf"),
+    Case(T=3, H=16, topk=2048, empty_tokens=True, sink="-inf"),
+    Case(T=4, H=16, topk=128, extra_topk=512),
+    Case(T=2, H=64, topk=128, extra_topk=1024, extra_page=2, extra_blocks=700, extra_lengths="edge"),
+    Case(T=5, H=16, topk=128, extra_topk=512, extra_page=32, extra_blocks=80, lengths="random",
+         extra_lengths="random", sink="finite"),
+    Case(T=1, H=8, topk=128, extra_topk=8192, extra_page=64, extra_blocks=160, lengths="edge", extra_lengths="edge",
+         invalid=0.05),
+    Case(T=7, H=32, topk=64, extra_topk=0),
+    Case(T=16, H=128, topk=256, extra_topk=512, extra_page=256, extra_blocks=8, empty_tokens=True, sink="finite"),
+    Case(T=5, H=16, topk=192, layout="hnd", extra_topk=64, extra_layout="flat"),
+    Case(T=5, H=16, topk=256, layout="fp8", block_stride=37376 + 1024),
+    Case(T=7, H=4, topk=100, layout="flat", q4d=True, q_head_pad=8, sm_scale=0.1),
+    Case(T=3, H=16, topk=512, duplicates=True),
+    Case(T=65, H=1, topk=1, empty_tokens=True),
+]
+
+
+def _lengths(kind, T, topk, gen, device):
+    if kind is None:
+        return None
+    if kind == "random":
+        vals = torch.randint(0, topk + 1, (T,), generator=gen)
+    else:  # edge: 0, negative, past topk, exactly topk, 1, random
+        edge = torch.tensor([0, -5, topk + 7, topk, 1, 2**31 - 1], dtype=torch.int64)
+        vals = torch.cat([edge, torch.randint(0, topk + 1, (max(T - len(edge), 0),), generator=gen)])[:T]
+    return vals.to(torch.int32).to(device)
+
+
+def _sink(kind, H, gen, device):
+    if kind is None:
+        return None
+    if kind == "finite":
+        vals = torch.randn(H, generator=gen) * 3 + 4
+    elif kind == "+inf":
+        vals = torch.full((H,), math.inf)
+    elif kind == "-inf":
+        vals = torch.full((H,), -math.inf)
+    else:  # mixed
+        vals = torch.randn(H, generator=gen) * 3 + 4
+        vals[0::3] = math.inf
+        vals[1::3] = -math.inf
+    return vals.float().to(device)
+
+
+def build_inputs(case: Case, device):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh every run, reproducible from the log
+    usable = [b for b in range(case.num_blocks) if b not in POISON_BLOCKS]
+    cache = make_cache(case.num_blocks, case.page, device=device, poison_blocks=POISON_BLOCKS,
+                       layout=case.layout, block_stride=case.block_stride, gen=gen)
+    idx = make_indices(case.T, case.topk, case.num_blocks * case.page, device=device, usable_blocks=usable,
+                       page=case.page, invalid_frac=case.invalid, gen=gen)
+    if case.duplicates:
+        idx = idx[:, :1].expand(-1, case.topk).contiguous()
+    if case.empty_tokens:
+        idx[::3] = -1
+    kw = dict(
+        topk_length=_lengths(case.lengths, case.T, case.topk, gen, device),
+        attn_sink=_sink(case.sink, case.H, gen, device),
+        sm_scale=case.sm_scale,
+    )
+    if case.extra_topk is not None:
+        e_usable = [b for b in range(case.extra_blocks) if b not in POISON_BLOCKS]
+        kw["extra_kv_cache"] = make_cache(case.extra_blocks, case.extra_page, device=device,
+                                          poison_blocks=POISON_BLOCKS, layout=case.extra_layout, gen=gen)
+        e_idx = make_indices(case.T, case.extra_topk, case.extra_blocks * case.extra_page, device=device,
+                             usable_blocks=e_usable, page=case.extra_page, invalid_frac=case.invalid, gen=gen)
+        if case.empty_tokens:
+            e_idx[::3] = -1
+        kw["extra_indices"] = e_idx
+        kw["extra_topk_length"] = _lengths(case.extra_lengths, case.T, case.extra_topk, gen, device)
+    q = torch.randn(case.T, case.H, 512 + case.q_head_pad, generator=gen).to(torch.bfloat16).to(device)
+    q = q[..., :512]
+    return q, cache, idx, kw
+
+
+def check_against_reference(out, lse, ref_out, ref_lse, precision="bf16"):
+    """Per-token relative L2 of out, absolute error of lse, +inf exactly where the reference has it."""
+    assert torch.isfinite(out).all(), "out has NaN/inf (an unwritten or poisoned element?)"
+    ref_out = ref_out.float()
+    err = (out.float() - ref_out).flatten(1).norm(dim=1)
+    scale = ref_out.flatten(1).norm(dim=1)
+    zero = scale == 0
+    assert (err[zero] == 0).all(), "tokens whose reference output is 0 must be exactly 0"
+    rel = err[~zero] / scale[~zero]
+    worst = rel.max().item() if rel.numel() else 0.0
+    assert worst <= OUT_REL_L2_MAX[precision], f"out relative L2 error {worst:.3e} > {OUT_REL_L2_MAX[precision]}"
+    inf_ref = torch.isposinf(ref_lse)
+    assert torch.equal(torch.isposinf(lse), inf_ref), "lse must be +inf exactly for tokens with no valid entry"
+    assert not torch.isnan(lse).any()
+    fin = ~inf_ref
+    lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+    assert lse_err <= LSE_ABS_MAX[precision], f"lse absolute error {lse_err:.3e} > {LSE_ABS_MAX[precision]}"
+    return worst, lse_err
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_decode_matches_reference(case: Case):
+    device = torch.device("cuda")
+    q, cache, idx, kw = build_inputs(case, device)
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+
+    call_q, call_idx, lead = q, idx, (case.T,)
+    if case.q4d:  # [B, S, H, 512] with B * S = T (T is a multiple of the batch here or S = 1)
+        call_q, call_idx, lead = q.unsqueeze(1), idx.unsqueeze(1), (case.T, 1)
+    outs = []
+    for _ in range(2):
+        out = torch.full((*lead, case.H, 512), math.nan, dtype=torch.bfloat16, device=device)
+        lse = torch.full((*lead, case.H), math.nan, dtype=torch.float32, device=device)
+        got_out, got_lse = sparse_mla_decode(call_q, cache, call_idx, out=out, lse=lse, **kw)
+        assert got_out is out and got_lse is lse, "out/lse given must be written in place and returned"
+        outs.append((out.reshape(case.T, case.H, 512).clone(), lse.reshape(case.T, case.H).clone()))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
+        "two runs on the same inputs differ: a race"
+    check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse)
+
+
+def test_allocates_outputs_with_leading_shape():
+    device = torch.device("cuda")
+    case = Case(T=6, H=16, topk=128)
+    q, cache, idx, kw = build_inputs(case, device)
+    out, lse = sparse_mla_decode(q.view(2, 3, 16, 512), cache, idx.view(2, 3, 128), **kw)
+    assert out.shape == (2, 3, 16, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 3, 16) and lse.dtype == torch.float32
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    check_against_reference(out.view(6, 16, 512), lse.view(6, 16), ref_out, ref_lse)
