@@ -22,12 +22,17 @@ def build_kernel(variant: KernelVariant):
     return SparseMlaMergeKernel(variant.config)
 
 
-def compile_variant(variant: KernelVariant):
-    """Compile a variant for its arch with stand-in arguments (no GPU needed)."""
+def compile_variant(variant: KernelVariant, keep_cubin: bool = False):
+    """Compile a variant for its arch with stand-in arguments (no GPU needed).
+
+    ``keep_cubin`` keeps the cubin in ``compiled.artifacts.CUBIN``; the DSL also writes it
+    to ``$CUTE_DSL_DUMP_DIR`` (set that to a scratch directory).
+    """
     import cutlass.cute as cute
 
     kernel = build_kernel(variant)
-    return cute.compile(kernel, *kernel.fake_args(), options=f"--gpu-arch {variant.arch}")
+    options = f"--gpu-arch {variant.arch}" + (" --keep-cubin" if keep_cubin else "")
+    return cute.compile(kernel, *kernel.fake_args(), options=options)
 
 
 def get_compiled(variant: KernelVariant):

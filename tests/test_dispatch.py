@@ -1,0 +1,137 @@
+"""Dispatch: variant keys, the split plan, and every refusal of the public API (CPU)."""
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
+from dispatch import InvalidDecodeInput, sparse_mla_decode
+from dispatch.metadata import MODEL_TYPE, DecodeMetadata
+from dispatch.splits import plan_splits
+from dispatch.variants import variant_space, variants_for
+from tests.dsv4_inputs import make_cache, make_indices
+
+
+def test_variant_keys_follow_the_metadata():
+    for a, b, s in itertools.product((False, True), repeat=3):
+        md = DecodeMetadata(num_tokens=3, num_heads=8, d_qk=512, topk=192, page_block_size=64, extra_topk=512,
+                            has_topk_length=a, has_extra_topk_length=b, has_sink=s)
+        partial, merge = variants_for(md, "sm_120a")
+        assert partial.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b)
+        assert merge.config == MergeConfig(has_sink=s)
+        assert partial in variant_space("sm_120a") and merge in variant_space("sm_120a")
+
+
+def test_shapes_do_not_reach_the_key():
+    """num_tokens, num_heads, topk, extra_topk and page sizes are runtime values: one variant serves all."""
+    keys = set()
+    for T, H, topk, extra, page in itertools.product((1, 65), (1, 8, 128), (1, 100, 1152), (0, 8192), (2, 64, 256)):
+        md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page, extra_topk=extra)
+        keys.add(variants_for(md, "sm_120a"))
+    assert len(keys) == 1
+
+
+def test_variant_names_hold_every_code_generating_field():
+    space = variant_space("sm_120a") + variant_space("sm_121a")
+    assert len({v.name for v in space}) == len(space) == len(set(space))
+    for v in space:
+        for f in dataclasses.fields(v.config):
+            other = dataclasses.replace(v.config, **{f.name: _another(getattr(v.config, f.name))})
+            assert other.name != v.config.name, f"{f.name} is not part of the kernel name"
+
+
+def _another(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value * 2
+    return value + "x"
+
+
+@pytest.mark.parametrize("T,H,topk,extra", [(1, 16, 128, 0), (1, 128, 2048, 8192), (300, 128, 128, 0),
+                                            (7, 1, 1, 0), (64, 64, 512, 512), (4096, 8, 100, 33)])
+def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
+    plan = plan_splits(T, H, topk, extra, heads_per_cta=16, block_n=32, num_sms=188)
+    assert plan.num_chunks == math.ceil(topk / 32) + math.ceil(extra / 32)
+    assert plan.num_splits * plan.chunks_per_split >= plan.num_chunks
+    assert (plan.num_splits - 1) * plan.chunks_per_split < plan.num_chunks
+    if T * math.ceil(H / 16) >= 2 * 188:
+        assert plan.num_splits == 1
+
+
+# ---------------------------------------------------------------------- refusals
+def _inputs(T=2, H=16, topk=128, device="cpu"):
+    cache = make_cache(4, 64, device=device)
+    return dict(q=torch.randn(T, H, 512).to(torch.bfloat16), kv_cache=cache,
+                indices=make_indices(T, topk, 256, device=device))
+
+
+def _call(overrides, **kwargs):
+    base = _inputs()
+    base.update(overrides)
+    return sparse_mla_decode(base.pop("q"), base.pop("kv_cache"), base.pop("indices"), **base, **kwargs)
+
+
+BAD = [
+    ("q float32", dict(q=torch.randn(2, 16, 512)), {}, "q must be bfloat16"),
+    ("q width 576", dict(q=torch.randn(2, 16, 576).to(torch.bfloat16)), {}, "expected d_qk = 512"),
+    ("q 2-D", dict(q=torch.randn(16, 512).to(torch.bfloat16)), {}, "expected [num_tokens, num_heads, 512]"),
+    ("q last dim strided", dict(q=torch.randn(2, 16, 1024).to(torch.bfloat16)[..., ::2]), {},
+     "contiguous in its last dimension"),
+    ("q heads misaligned", dict(q=torch.randn(2, 16, 515).to(torch.bfloat16)[..., :512]), {}, "multiples of 8"),
+    ("indices int64", dict(indices=torch.zeros(2, 128, dtype=torch.int64)), {}, "indices must be int32"),
+    ("indices tokens", dict(indices=torch.zeros(3, 128, dtype=torch.int32)), {}, "indices has shape [3, 128]"),
+    ("indices empty", dict(indices=torch.zeros(2, 0, dtype=torch.int32)), {}, "topk must be at least 1"),
+    ("indices strided", dict(indices=torch.zeros(2, 256, dtype=torch.int32)[:, ::2]), {},
+     "indices must be contiguous in its last dimension"),
+    ("cache float16", dict(kv_cache=torch.zeros(4, 64, 1, 584, dtype=torch.float16)), {}, "uint8 or float8_e4m3fn"),
+    ("cache width", dict(kv_cache=torch.zeros(4, 64, 1, 576, dtype=torch.uint8)), {}, "[num_blocks, P, 1, 584]"),
+    ("cache stride", dict(kv_cache=torch.as_strided(torch.zeros(4 * 37384, dtype=torch.uint8), (4, 64, 1, 584),
+                                                    (37384, 584, 584, 1))), {}, "not a multiple of 16"),
+    ("cache on meta", dict(kv_cache=torch.zeros(4, 64, 1, 584, dtype=torch.uint8, device="meta")), {},
+     "kv_cache is on meta, expected cpu"),
+    ("extra cache alone", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu")), "pass both or neither"),
+    ("extra indices alone", {}, dict(extra_indices=torch.zeros(2, 64, dtype=torch.int32)), "pass both or neither"),
+    ("extra length alone", {}, dict(extra_topk_length=torch.zeros(2, dtype=torch.int32)), "without extra_kv_cache"),
+    ("extra indices int64", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
+                                     extra_indices=torch.zeros(2, 64, dtype=torch.int64)), "extra_indices must be int32"),
+    ("extra cache bad", {}, dict(extra_kv_cache=torch.zeros(2, 100, dtype=torch.uint8),
+                                 extra_indices=torch.zeros(2, 64, dtype=torch.int32)), "extra_kv_cache of shape"),
+    ("length int64", {}, dict(topk_length=torch.zeros(2, dtype=torch.int64)), "topk_length must be int32"),
+    ("length shape", {}, dict(topk_length=torch.zeros(2, 1, dtype=torch.int32)), "topk_length has shape [2, 1]"),
+    ("extra length shape", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
+                                    extra_indices=torch.zeros(2, 64, dtype=torch.int32),
+                                    extra_topk_length=torch.zeros(3, dtype=torch.int32)), "extra_topk_length has shape"),
+    ("sink shape", {}, dict(attn_sink=torch.zeros(8)), "attn_sink has shape [8], expected [16]"),
+    ("sink dtype", {}, dict(attn_sink=torch.zeros(16, dtype=torch.bfloat16)), "attn_sink must be float32"),
+    ("sm_scale nan", {}, dict(sm_scale=math.nan), "sm_scale must be a finite"),
+    ("sm_scale inf", {}, dict(sm_scale=math.inf), "sm_scale must be a finite"),
+    ("sm_scale tensor", {}, dict(sm_scale=torch.tensor(0.1)), "sm_scale must be a finite"),
+    ("out dtype", {}, dict(out=torch.empty(2, 16, 512)), "out must be bfloat16"),
+    ("out shape", {}, dict(out=torch.empty(2, 16, 448, dtype=torch.bfloat16)), "out has shape [2, 16, 448]"),
+    ("lse dtype", {}, dict(lse=torch.empty(2, 16, dtype=torch.bfloat16)), "lse must be float32"),
+    ("lse shape", {}, dict(lse=torch.empty(16, 2)), "lse has shape [16, 2], expected [2, 16]"),
+    ("valid but on cpu", {}, {}, "the kernels run on CUDA devices only"),
+]
+
+
+@pytest.mark.parametrize("name,overrides,kwargs,message", BAD, ids=[b[0] for b in BAD])
+def test_invalid_input_is_refused_with_the_call_shape(name, overrides, kwargs, message):
+    with pytest.raises(InvalidDecodeInput) as info:
+        _call(overrides, **kwargs)
+    text = str(info.value)
+    assert message in text
+    assert text.startswith(MODEL_TYPE)
+    for field in ("num_tokens=", "num_heads=", "topk=", "d_qk=", "page_block_size=", "extra_topk="):
+        assert field in text
+    assert isinstance(info.value, ValueError)
+
+
+def test_message_names_the_actual_shape():
+    with pytest.raises(InvalidDecodeInput) as info:
+        _call(dict(q=torch.randn(3, 24, 512), indices=make_indices(3, 192, 256, device="cpu")))
+    assert ("num_tokens=3, num_heads=24, topk=192, d_qk=512, page_block_size=64, extra_topk=0"
+            in str(info.value))
