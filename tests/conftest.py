@@ -18,3 +18,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    mod = sys.modules.get("tests.test_decode_gpu")
+    rows = getattr(mod, "ACCURACY", None)
+    if not rows:
+        return
+    terminalreporter.write_sep("-", "accuracy against the float32 reference (worst token)")
+    for case, rel, lse_err in rows:
+        terminalreporter.write_line(f"out rel L2 {rel:.2e}  lse abs {lse_err:.2e}  {case}")

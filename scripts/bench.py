@@ -1,0 +1,124 @@
+"""Benchmark DSV4 sparse-MLA decode on the GPU, by the method of the peer-baseline note.
+
+    python scripts/bench.py [--json out.json] [--quick]
+
+Method (``../shared/notes/peer_baselines_h200.md``): caches of 4096 page blocks x 64 tokens
+(262,144 tokens, block stride 37,440 bytes) in the DSV4 FP8 layout; q = randn bf16;
+sm_scale = 512**-0.5. Single-cache shapes gather uniform random slots; "128+512" shapes
+take main = the last 128 tokens of a sequence through a random block table and extra = 512
+random slots of a second cache. Each call is captured in one CUDA graph and replayed;
+time = median of ``triton.testing.do_bench`` (which clears L2 before every call).
+GB/s counts T x (topk + extra_topk) x 584 bytes. The copy ceiling is measured in the same
+run (a 4 GiB device-to-device copy, bytes read + written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES  # noqa: E402
+from cute_kernels.sparse_mla_decode.reference import reference_decode  # noqa: E402
+from dispatch import sparse_mla_decode  # noqa: E402
+from tests.dsv4_inputs import make_cache  # noqa: E402
+
+NUM_BLOCKS, PAGE = 4096, 64
+# FlashMLA SM90 times (us) on the H200, from ../shared/notes/peer_baselines_h200.md: (T, H, shape) -> us
+FLASHMLA_US = {
+    (1, 16, "128"): 15.1, (1, 16, "512"): 17.0, (1, 16, "1024"): 19.0,
+    (1, 64, "128"): 15.5, (1, 64, "512"): 17.1, (1, 64, "1024"): 18.9,
+    (1, 128, "128"): 14.5, (1, 128, "512"): 16.1, (1, 128, "1024"): 18.2,
+    (8, 16, "128"): 15.8, (8, 16, "512"): 18.6, (8, 16, "1024"): 22.1,
+    (8, 64, "128"): 16.0, (8, 64, "512"): 18.8, (8, 64, "1024"): 22.0,
+    (8, 128, "128"): 15.7, (8, 128, "512"): 19.0, (8, 128, "1024"): 22.9,
+    (64, 16, "128"): 18.2, (64, 16, "512"): 43.1, (64, 16, "1024"): 60.9,
+    (64, 64, "128"): 18.1, (64, 64, "512"): 43.5, (64, 64, "1024"): 60.8,
+    (64, 128, "128"): 18.2, (64, 128, "512"): 32.3, (64, 128, "1024"): 51.1,
+    (1, 16, "128+512"): 17.2, (1, 64, "128+512"): 17.2, (1, 128, "128+512"): 16.4,
+    (8, 16, "128+512"): 19.2, (8, 64, "128+512"): 19.2, (8, 128, "128+512"): 20.3,
+    (64, 16, "128+512"): 47.8, (64, 64, "128+512"): 47.9, (64, 128, "128+512"): 39.5,
+}
+
+
+def copy_ceiling_gbs() -> float:
+    from triton.testing import do_bench
+
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    del src, dst
+    return 2 * (4 << 30) / (ms * 1e-3) / 1e9
+
+
+def inputs(T, H, shape, caches, gen):
+    main, extra = caches
+    q = torch.randn(T, H, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    if shape == "128+512":
+        table = torch.randperm(NUM_BLOCKS, generator=gen, device="cuda")
+        end = torch.randint(128, NUM_BLOCKS * PAGE, (T, 1), generator=gen, device="cuda")
+        pos = end - 128 + torch.arange(128, device="cuda")
+        idx = (table[pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
+        e_idx = torch.randint(0, NUM_BLOCKS * PAGE, (T, 512), generator=gen, device="cuda", dtype=torch.int32)
+        return q, main, idx, dict(extra_kv_cache=extra, extra_indices=e_idx), 640
+    topk = int(shape)
+    idx = torch.randint(0, NUM_BLOCKS * PAGE, (T, topk), generator=gen, device="cuda", dtype=torch.int32)
+    return q, main, idx, {}, topk
+
+
+def graph_time_us(fn) -> float:
+    from triton.testing import do_bench
+
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, return_mode="median") * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="also write the rows as JSON to this path")
+    ap.add_argument("--quick", action="store_true", help="T=1 and 64 only, no torch reference")
+    args = ap.parse_args(argv)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
+              make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
+    ceiling = copy_ceiling_gbs()
+    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s", flush=True)
+    grid = [(T, H, s) for T in ((1, 64) if args.quick else (1, 8, 64, 256)) for H in (16, 64, 128)
+            for s in ("128", "512", "1024", "128+512")]
+    rows = []
+    for n, (T, H, shape) in enumerate(grid):
+        q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen)
+        us = graph_time_us(lambda: sparse_mla_decode(q, cache, idx, **kw))
+        ref_us = math.nan if args.quick else graph_time_us(lambda: reference_decode(q, cache, idx, **kw))
+        gbs = T * entries * TOKEN_BYTES / (us * 1e-6) / 1e9
+        fm = FLASHMLA_US.get((T, H, shape))
+        row = dict(T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, torch_us=ref_us,
+                   speedup_vs_torch=ref_us / us, flashmla_us=fm, vs_flashmla=(fm / us) if fm else None)
+        rows.append(row)
+        print(f"[{n + 1}/{len(grid)}] T={T} H={H} topk={shape}: {us:.1f} us", file=sys.stderr, flush=True)
+    print(f"{'T':>4} {'H':>4} {'topk':>8} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'x torch':>8} "
+          f"{'FlashMLA us':>11} {'x FlashMLA':>10}")
+    for r in rows:
+        fm = f"{r['flashmla_us']:>11.1f} {r['vs_flashmla']:>10.2f}" if r["flashmla_us"] else f"{'-':>11} {'-':>10}"
+        print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
+              f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=ceiling,
+                                                   rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
