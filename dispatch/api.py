@@ -10,6 +10,7 @@ import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
 from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, read_cache_view
+from cute_kernels.sparse_mla_decode.config import PartialConfig
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 
 from . import loader
@@ -19,6 +20,8 @@ from .variants import variants_for
 
 _LOG2_E = math.log2(math.e)
 _INT32_MAX = 2**31 - 1
+HEADS_PER_CTA = PartialConfig.heads_per_cta  # the tile sizes every partial variant shares
+BLOCK_N = PartialConfig.block_n
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,17 +279,19 @@ def _launch(q, main, idx, lens, extra, extra_idx, extra_topk, extra_lens, attn_s
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8
     from cutlass.cute.runtime import make_ptr
 
-    from cute_kernels.sparse_mla_decode.config import PartialConfig
-
     num_tokens, num_heads, _ = q.shape
     md_launch = dataclasses.replace(md, has_extra_topk_length=extra_lens is not None)
-    partial_v, merge_v = variants_for(md_launch, arch)
-    cfg: PartialConfig = partial_v.config
     device = q.device
-    plan = plan_splits(num_tokens, num_heads, idx.shape[-1], extra_topk, heads_per_cta=cfg.heads_per_cta,
-                       block_n=cfg.block_n, num_sms=num_sms)
-    o_part = torch.empty(num_tokens, plan.num_splits, num_heads, D_V, dtype=torch.float32, device=device)
-    lse_part = torch.empty(num_tokens, plan.num_splits, num_heads, dtype=torch.float32, device=device)
+    plan = plan_splits(num_tokens, num_heads, idx.shape[-1], extra_topk, heads_per_cta=HEADS_PER_CTA,
+                       block_n=BLOCK_N, num_sms=num_sms)
+    variants = variants_for(md_launch, arch, plan.num_splits)
+    final = len(variants) == 1
+    if final:  # the partial kernel writes out and lse itself; these stand-ins are never touched
+        o_part, lse_part = q, lse
+    else:
+        o_part = torch.empty(num_tokens, plan.num_splits, num_heads, D_V, dtype=torch.float32, device=device)
+        lse_part = torch.empty(num_tokens, plan.num_splits, num_heads, dtype=torch.float32, device=device)
+    sink = attn_sink if attn_sink is not None else lse
 
     def ptr(t, dtype, align):
         return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
@@ -299,19 +304,21 @@ def _launch(q, main, idx, lens, extra, extra_idx, extra_topk, extra_lens, attn_s
         ]
 
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    partial = loader.get_compiled(partial_v)
-    merge = loader.get_compiled(merge_v)
+    partial = loader.get_compiled(variants[0])
     with torch.cuda.device(device):
         partial(
             ptr(q, BFloat16, 16), Int64(q.stride(0)), Int64(q.stride(1)), Int32(num_tokens), Int32(num_heads),
             *source(main, idx, lens, idx.shape[-1]),
             *source(extra, extra_idx, extra_lens, extra_topk),
             Float32(sm_scale * _LOG2_E), Int32(plan.chunks_per_split), Int32(plan.num_splits),
-            ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4), stream,
-        )
-        merge(
-            ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4), Int32(num_tokens), Int32(plan.num_splits),
-            Int32(num_heads), ptr(attn_sink if attn_sink is not None else lse_part, Float32, 4),
+            ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4),
             ptr(out, BFloat16, 8), Int64(out.stride(0)), Int64(out.stride(1)),
-            ptr(lse, Float32, 4), Int64(lse.stride(0)), Int64(lse.stride(1)), stream,
+            ptr(lse, Float32, 4), Int64(lse.stride(0)), Int64(lse.stride(1)), ptr(sink, Float32, 4), stream,
         )
+        if not final:
+            loader.get_compiled(variants[1])(
+                ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4), Int32(num_tokens), Int32(plan.num_splits),
+                Int32(num_heads), ptr(sink, Float32, 4),
+                ptr(out, BFloat16, 8), Int64(out.stride(0)), Int64(out.stride(1)),
+                ptr(lse, Float32, 4), Int64(lse.stride(0)), Int64(lse.stride(1)), stream,
+            )

@@ -4,10 +4,14 @@ A variant is a kernel configuration plus a target arch. Everything else about a 
 (num_tokens, num_heads, topk, extra_topk, page block sizes, strides, the split of the work)
 is a runtime argument, so the set of variants is small and closed:
 
-    partial: precision x has_topk_length x has_extra_topk_length
+    partial: precision x has_topk_length x has_extra_topk_length x
+             (split mode | final mode without sink | final mode with sink)
     merge:   has_sink
 
-``variant_space(arch)`` enumerates it; ``variants_for(metadata, arch)`` picks from it.
+A call whose work needs one split runs the partial kernel in final mode (it writes out
+and lse itself); otherwise the partial kernel writes per-split partials and the merge
+kernel combines them. ``variant_space(arch)`` enumerates the set;
+``variants_for(metadata, arch, num_splits)`` picks from it.
 """
 
 from __future__ import annotations
@@ -38,22 +42,31 @@ class KernelVariant:
         return f"{self.config.name}_{self.arch}"
 
 
-def variants_for(md: DecodeMetadata, arch: str, precision: str = DEFAULT_PRECISION):
-    """The (partial, merge) variants that serve the call described by ``md``."""
+def variants_for(md: DecodeMetadata, arch: str, num_splits: int,
+                 precision: str = DEFAULT_PRECISION) -> tuple[KernelVariant, ...]:
+    """The variants to launch, in order, for the call described by ``md`` split ``num_splits`` ways."""
+    final = num_splits == 1
     partial = PartialConfig(
         has_topk_length=md.has_topk_length,
         has_extra_topk_length=md.has_extra_topk_length,
+        final_output=final,
+        has_sink=final and md.has_sink,
         precision=precision,
     )
-    merge = MergeConfig(has_sink=md.has_sink)
-    return KernelVariant(partial, arch), KernelVariant(merge, arch)
+    if final:
+        return (KernelVariant(partial, arch),)
+    return KernelVariant(partial, arch), KernelVariant(MergeConfig(has_sink=md.has_sink), arch)
+
+
+_MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sink)
 
 
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``."""
     out = [
-        KernelVariant(PartialConfig(has_topk_length=a, has_extra_topk_length=b, precision=p), arch)
-        for p, a, b in itertools.product(PRECISIONS, (False, True), (False, True))
+        KernelVariant(PartialConfig(has_topk_length=a, has_extra_topk_length=b, final_output=f, has_sink=s,
+                                    precision=p), arch)
+        for p, a, b, (f, s) in itertools.product(PRECISIONS, (False, True), (False, True), _MODES)
     ]
     out += [KernelVariant(MergeConfig(has_sink=s), arch) for s in (False, True)]
     return out

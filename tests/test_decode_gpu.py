@@ -15,6 +15,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import sparse_mla_decode
+from dispatch.splits import plan_splits
 from tests.dsv4_inputs import make_cache, make_indices
 from tests.tolerances import LSE_ABS_MAX, OUT_REL_L2_MAX
 
@@ -78,6 +79,11 @@ CASES = [
     Case(T=7, H=4, topk=100, layout="flat", q4d=True, q_head_pad=8, sm_scale=0.1),
     Case(T=3, H=16, topk=512, duplicates=True),
     Case(T=65, H=1, topk=1, empty_tokens=True),
+    # large T x H: one split per token on any GPU of up to 1200 SMs, so the partial kernel
+    # writes out/lse itself (final mode), with and without a sink
+    Case(T=300, H=128, topk=128, sink="mixed", lengths="edge", extra_topk=64, extra_page=2, extra_blocks=300,
+         extra_lengths="random", invalid=0.1, empty_tokens=True),
+    Case(T=700, H=64, topk=192, sink="finite", q_head_pad=16),
 ]
 
 
@@ -178,7 +184,10 @@ def test_decode_matches_reference(case: Case):
     torch.cuda.synchronize()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
         "two runs on the same inputs differ: a race"
-    ACCURACY.append((str(case), *check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse)))
+    plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, heads_per_cta=16, block_n=32,
+                       num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
+    rel, lse_err = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse)
+    ACCURACY.append((f"splits={plan.num_splits} {case}", rel, lse_err))
 
 
 def test_allocates_outputs_with_leading_shape():

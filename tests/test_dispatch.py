@@ -19,10 +19,14 @@ def test_variant_keys_follow_the_metadata():
     for a, b, s in itertools.product((False, True), repeat=3):
         md = DecodeMetadata(num_tokens=3, num_heads=8, d_qk=512, topk=192, page_block_size=64, extra_topk=512,
                             has_topk_length=a, has_extra_topk_length=b, has_sink=s)
-        partial, merge = variants_for(md, "sm_120a")
+        partial, merge = variants_for(md, "sm_120a", num_splits=3)
         assert partial.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b)
         assert merge.config == MergeConfig(has_sink=s)
-        assert partial in variant_space("sm_120a") and merge in variant_space("sm_120a")
+        (final,) = variants_for(md, "sm_120a", num_splits=1)  # one split: no merge, sink in the epilogue
+        assert final.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b, final_output=True,
+                                             has_sink=s)
+        space = variant_space("sm_120a")
+        assert partial in space and merge in space and final in space
 
 
 def test_shapes_do_not_reach_the_key():
@@ -30,7 +34,7 @@ def test_shapes_do_not_reach_the_key():
     keys = set()
     for T, H, topk, extra, page in itertools.product((1, 65), (1, 8, 128), (1, 100, 1152), (0, 8192), (2, 64, 256)):
         md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page, extra_topk=extra)
-        keys.add(variants_for(md, "sm_120a"))
+        keys.add((variants_for(md, "sm_120a", 1), variants_for(md, "sm_120a", 4)))
     assert len(keys) == 1
 
 
@@ -38,6 +42,7 @@ def test_variant_names_hold_every_code_generating_field():
     space = variant_space("sm_120a") + variant_space("sm_121a")
     assert len({v.name for v in space}) == len(space) == len(set(space))
     for v in space:
+        v.config.check()
         for f in dataclasses.fields(v.config):
             other = dataclasses.replace(v.config, **{f.name: _another(getattr(v.config, f.name))})
             assert other.name != v.config.name, f"{f.name} is not part of the kernel name"

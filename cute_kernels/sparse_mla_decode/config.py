@@ -23,11 +23,16 @@ class PartialConfig:
     block_n: selected entries gathered and processed per step (one chunk).
     num_warps: each warp owns a 512/num_warps slice of the QK width and of the output.
     has_topk_length / has_extra_topk_length: whether the length tensors are read.
+    final_output: write the bf16 output and natural-log lse directly (one split, no merge)
+        instead of f32 partials.
+    has_sink: apply attn_sink in the epilogue (final_output only; else the merge does it).
     precision: the compute path ("bf16": FP8 nope values dequantized to bf16 on the way in).
     """
 
     has_topk_length: bool = False
     has_extra_topk_length: bool = False
+    final_output: bool = False
+    has_sink: bool = False
     precision: str = "bf16"
     heads_per_cta: int = 16
     block_n: int = 32
@@ -52,6 +57,8 @@ class PartialConfig:
 
     def check(self) -> None:
         """Raise ValueError when this configuration cannot be generated."""
+        if self.has_sink and not self.final_output:
+            raise ValueError("has_sink needs final_output (the merge kernel applies the sink otherwise)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.heads_per_cta != 16:
@@ -60,6 +67,8 @@ class PartialConfig:
             raise ValueError(f"block_n {self.block_n} must be 16, 32, 48 or 64")
         if D_QK % (self.num_warps * 64) != 0:
             raise ValueError(f"num_warps {self.num_warps} must split {D_QK} into 64-wide slices")
+        if self.block_n * (ROW_BYTES // 16) % self.num_threads != 0:
+            raise ValueError("block_n * 36 row pieces must be a multiple of the thread count")
         if self.block_n * (D_QK // 8) % self.num_threads != 0:
             raise ValueError("block_n * 64 must be a multiple of the thread count")
         if self.num_stages != 2:
@@ -74,6 +83,7 @@ class PartialConfig:
             f"sparse_mla_partial_{self.precision}_h{self.heads_per_cta}_n{self.block_n}"
             f"_w{self.num_warps}_s{self.num_stages}"
             f"_len{int(self.has_topk_length)}{int(self.has_extra_topk_length)}"
+            f"_final{int(self.final_output)}_sink{int(self.has_sink)}"
         )
 
 

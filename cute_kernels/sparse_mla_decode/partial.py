@@ -20,8 +20,10 @@ Per chunk:
 4. O_w += P V_w: P (bf16, straight from the S registers) times the warp's 128-wide slice
    of the value (the same tile, read transposed by ldmatrix).
 
-Output: per (token, split, head) the normalized partial output (f32, 512) and its lse in
-log2 units (-inf for a split with no valid entry); ``merge.py`` combines the splits.
+Output, partial mode: per (token, split, head) the normalized partial output (f32, 512)
+and its lse in log2 units (-inf for a split with no valid entry); ``merge.py`` combines
+the splits. Final mode (``cfg.final_output``, for a call that needs one split): the kernel
+writes the bf16 output and the natural-log lse itself, sink applied, and no merge runs.
 
 Inputs are raw device pointers plus integer strides, so one compiled kernel serves every
 shape: nothing about num_tokens, num_heads, topk, extra_topk or the page block sizes is
@@ -44,6 +46,7 @@ from .config import PartialConfig
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE, UE8M0_BIAS
 
 _LOG2_E = math.log2(math.e)
+_LN2 = math.log(2.0)
 
 
 def _bits_to_f32(bits: Int32) -> Float32:
@@ -77,7 +80,9 @@ class SparseMlaPartialKernel:
             [ptr(BFloat16, 16), Int64(0), Int64(0), Int32(1), Int32(1)]
             + source
             + source
-            + [Float32(1.0), Int32(1), Int32(1), ptr(Float32, 16), ptr(Float32, 4), make_fake_stream()]
+            + [Float32(1.0), Int32(1), Int32(1), ptr(Float32, 16), ptr(Float32, 4)]
+            + [ptr(BFloat16, 8), Int64(0), Int64(0), ptr(Float32, 4), Int64(0), Int64(0), ptr(Float32, 4)]
+            + [make_fake_stream()]
         )
 
     # ------------------------------------------------------------------ launcher
@@ -108,8 +113,15 @@ class SparseMlaPartialKernel:
         sm_scale_log2: Float32,  # sm_scale * log2(e)
         chunks_per_split: Int32,
         num_splits: Int32,
-        o_part: cute.Pointer,  # f32 [T, num_splits, H, 512]
-        lse_part: cute.Pointer,  # f32 [T, num_splits, H], log2 units
+        o_part: cute.Pointer,  # f32 [T, num_splits, H, 512] (partial mode)
+        lse_part: cute.Pointer,  # f32 [T, num_splits, H], log2 units (partial mode)
+        out: cute.Pointer,  # bf16 [T, H, 512], rows 8-byte aligned (final mode)
+        out_stride_t: Int64,  # elements
+        out_stride_h: Int64,
+        lse: cute.Pointer,  # f32 [T, H], natural log (final mode)
+        lse_stride_t: Int64,
+        lse_stride_h: Int64,
+        attn_sink: cute.Pointer,  # f32 [H] (final mode with cfg.has_sink)
         stream,
     ):
         # bf16 tile [rows, 512] in 8x64 swizzled atoms: conflict-free ldmatrix, both ways.
@@ -138,6 +150,7 @@ class SparseMlaPartialKernel:
             extra_cache, extra_page, extra_block_stride, extra_num_slots,
             extra_idx, extra_idx_stride, extra_topk, extra_len,
             sm_scale_log2, chunks_per_split, num_splits, o_part, lse_part,
+            out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h, attn_sink,
             kv_layout, q_layout, tiled_mma, tiled_store,
         ).launch(
             grid=(num_tokens, head_blocks, num_splits),
@@ -150,6 +163,16 @@ class SparseMlaPartialKernel:
     def _load_i32(self, addr: Int64) -> Int32:
         ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
         return cute.make_tensor(ptr, cute.make_layout(1))[0]
+
+    @cute.jit
+    def _load_f32(self, addr: Int64) -> Float32:
+        ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
+        return cute.make_tensor(ptr, cute.make_layout(1))[0]
+
+    @cute.jit
+    def _store_f32(self, addr: Int64, value: Float32):
+        ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
+        cute.make_tensor(ptr, cute.make_layout(1))[0] = value
 
     @cute.jit
     def _entry_slot(self, idx_addr: Int64, pos: Int32, limit: Int32, num_slots: Int32) -> Int32:
@@ -191,6 +214,13 @@ class SparseMlaPartialKernel:
         num_splits: Int32,
         o_part: cute.Pointer,
         lse_part: cute.Pointer,
+        out: cute.Pointer,
+        out_stride_t: Int64,
+        out_stride_h: Int64,
+        lse: cute.Pointer,
+        lse_stride_t: Int64,
+        lse_stride_h: Int64,
+        attn_sink: cute.Pointer,
         kv_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
@@ -361,35 +391,60 @@ class SparseMlaPartialKernel:
                 cute.copy(ldsm_t, tOsVt[None, None, k], tOrVt_v[None, None, k])
                 cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
 
-        # ---- epilogue: normalized partial O and its log2 lse
+        # ---- epilogue. partial mode: normalized O (f32) and its log2 lse per split;
+        # final mode (one split): out = O * gate (bf16) and the natural-log lse, sink applied.
+        final = self.cfg.final_output
         acc_O_mn = self._mn_view(acc_O)
-        num_h = num_heads
-        o_row0 = (Int64(token) * num_splits + split) * num_h
-        gO = cute.make_tensor(
-            cute.make_ptr(Float32, o_part.toint() + (o_row0 + head0) * (D_QK * 4), cute.AddressSpace.gmem, assumed_align=16),
-            cute.make_layout((hb, D_QK), stride=(D_QK, 1)),
-        )
-        tOgO_mn = self._mn_view(thr_mma.partition_C(cute.local_tile(gO, (hb, self.wslice), (0, warp_id))))
         tOcO_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((hb, self.wslice))))
+        o_row0 = (Int64(token) * num_splits + split) * num_heads
+        if const_expr(final):
+            gO = cute.make_tensor(
+                cute.make_ptr(
+                    BFloat16,
+                    out.toint() + (Int64(token) * out_stride_t + Int64(head0) * out_stride_h + warp_id * self.wslice) * 2,
+                    cute.AddressSpace.gmem, assumed_align=4,
+                ),
+                cute.make_layout((hb, self.wslice), stride=(out_stride_h, 1)),
+            )
+        else:
+            gO = cute.make_tensor(
+                cute.make_ptr(
+                    Float32, o_part.toint() + ((o_row0 + head0) * D_QK + warp_id * self.wslice) * 4,
+                    cute.AddressSpace.gmem, assumed_align=16,
+                ),
+                cute.make_layout((hb, self.wslice), stride=(D_QK, 1)),
+            )
+        tOgO_mn = self._mn_view(thr_mma.partition_C(gO))
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
-            inv = Float32(0.0)
-            if total > 0.0:
-                inv = 1.0 / total
             row = tOcO_mn[r, 0][0]
             if head0 + row < num_heads:
+                gate = Float32(0.0)
+                lse2 = -Float32.inf
+                if total > 0.0:
+                    gate = 1.0 / total
+                    lse2 = row_max[r] + cute.math.log2(total, fastmath=False)
+                    if const_expr(final and self.cfg.has_sink):
+                        sink = self._load_f32(attn_sink.toint() + Int64(head0 + row) * 4)
+                        # exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf -> 1
+                        gate = gate / (1.0 + cute.math.exp2(sink * _LOG2_E - lse2, fastmath=False))
                 for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    tOgO_mn[r, j] = acc_O_mn[r, j] * inv
+                    if const_expr(final):
+                        tOgO_mn[r, j] = BFloat16(acc_O_mn[r, j] * gate)
+                    else:
+                        tOgO_mn[r, j] = acc_O_mn[r, j] * gate
                 if warp_id == 0:
                     if lane % 4 == 0:
-                        lse2 = -Float32.inf
-                        if total > 0.0:
-                            lse2 = row_max[r] + cute.math.log2(total, fastmath=False)
-                        gL = cute.make_tensor(
-                            cute.make_ptr(Float32, lse_part.toint() + (o_row0 + head0 + row) * 4, cute.AddressSpace.gmem, assumed_align=4),
-                            cute.make_layout(1),
-                        )
-                        gL[0] = lse2
+                        if const_expr(final):
+                            lse_nat = Float32.inf
+                            if total > 0.0:
+                                lse_nat = lse2 * _LN2
+                            self._store_f32(
+                                lse.toint() + (Int64(token) * lse_stride_t + Int64(head0 + row) * lse_stride_h) * 4,
+                                lse_nat,
+                            )
+                        else:
+                            self._store_f32(lse_part.toint() + (o_row0 + head0 + row) * 4, lse2)
 
     # ------------------------------------------------------------------ per-chunk stages
     @cute.jit
