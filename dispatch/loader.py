@@ -8,7 +8,6 @@ from .variants import KernelVariant
 
 _compiled: dict[KernelVariant, object] = {}
 _lock = threading.Lock()
-compile_count = 0  # how many variants this process compiled (observable by tests and tools)
 
 
 def build_kernel(variant: KernelVariant):
@@ -37,7 +36,6 @@ def compile_variant(variant: KernelVariant, keep_cubin: bool = False):
 
 def get_compiled(variant: KernelVariant):
     """The compiled callable of a variant, compiling it once per process."""
-    global compile_count
     fn = _compiled.get(variant)
     if fn is not None:
         return fn
@@ -46,5 +44,4 @@ def get_compiled(variant: KernelVariant):
         if fn is None:
             fn = compile_variant(variant)
             _compiled[variant] = fn
-            compile_count += 1
     return fn

@@ -12,17 +12,14 @@ One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from .config import MergeConfig
+from .device_utils import LN_2, load_f32, sink_gate, store_f32
 from .layout import D_V
 
-_LN2 = math.log(2.0)
-_LOG2_E = math.log2(math.e)
 
 
 class SparseMlaMergeKernel:
@@ -114,14 +111,9 @@ class SparseMlaMergeKernel:
             lse2 = m + cute.math.log2(total, fastmath=False)
             gate = 1.0 / total
             if const_expr(self.cfg.has_sink):
-                sink = cute.make_tensor(
-                    cute.make_ptr(Float32, attn_sink.toint() + Int64(head) * 4, cute.AddressSpace.gmem, assumed_align=4),
-                    cute.make_layout(1),
-                )[0]
-                # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2**(sink*log2(e) - lse2)); +inf -> 0, -inf -> 1
-                gate = gate / (1.0 + cute.math.exp2(sink * _LOG2_E - lse2, fastmath=False))
+                gate = gate * sink_gate(load_f32(attn_sink.toint() + Int64(head) * 4), lse2)
             acc.store(acc.load() * gate)
-            lse_out = lse2 * _LN2
+            lse_out = lse2 * LN_2
 
         gOut = cute.make_tensor(
             cute.make_ptr(
@@ -133,9 +125,4 @@ class SparseMlaMergeKernel:
         )
         gOut.store(acc.load().to(BFloat16))
         if tidx == 0:
-            gL = cute.make_tensor(
-                cute.make_ptr(Float32, lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4,
-                              cute.AddressSpace.gmem, assumed_align=4),
-                cute.make_layout(1),
-            )
-            gL[0] = lse_out
+            store_f32(lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_out)

@@ -32,7 +32,6 @@ baked into the code.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import cutlass
@@ -43,10 +42,9 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from .config import PartialConfig
+from .device_utils import LN_2, load_f32, load_i32, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE, UE8M0_BIAS
 
-_LOG2_E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 def _bits_to_f32(bits: Int32) -> Float32:
@@ -160,26 +158,11 @@ class SparseMlaPartialKernel:
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
-    def _load_i32(self, addr: Int64) -> Int32:
-        ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4)
-        return cute.make_tensor(ptr, cute.make_layout(1))[0]
-
-    @cute.jit
-    def _load_f32(self, addr: Int64) -> Float32:
-        ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
-        return cute.make_tensor(ptr, cute.make_layout(1))[0]
-
-    @cute.jit
-    def _store_f32(self, addr: Int64, value: Float32):
-        ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
-        cute.make_tensor(ptr, cute.make_layout(1))[0] = value
-
-    @cute.jit
     def _entry_slot(self, idx_addr: Int64, pos: Int32, limit: Int32, num_slots: Int32) -> Int32:
         """The cache slot of list position ``pos``, or -1 when the entry does not count."""
         slot = Int32(-1)
         if pos < limit:
-            v = self._load_i32(idx_addr + Int64(pos) * 4)
+            v = load_i32(idx_addr + Int64(pos) * 4)
             if v >= 0:
                 if v < num_slots:
                     slot = v
@@ -241,10 +224,10 @@ class SparseMlaPartialKernel:
 
         main_limit = main_topk
         if const_expr(self.cfg.has_topk_length):
-            main_limit = cutlass.max(cutlass.min(self._load_i32(main_len.toint() + Int64(token) * 4), main_topk), 0)
+            main_limit = cutlass.max(cutlass.min(load_i32(main_len.toint() + Int64(token) * 4), main_topk), 0)
         extra_limit = extra_topk
         if const_expr(self.cfg.has_extra_topk_length):
-            extra_limit = cutlass.max(cutlass.min(self._load_i32(extra_len.toint() + Int64(token) * 4), extra_topk), 0)
+            extra_limit = cutlass.max(cutlass.min(load_i32(extra_len.toint() + Int64(token) * 4), extra_topk), 0)
         main_idx_row = main_idx.toint() + Int64(token) * main_idx_stride * 4
         extra_idx_row = extra_idx.toint() + Int64(token) * extra_idx_stride * 4
 
@@ -425,9 +408,7 @@ class SparseMlaPartialKernel:
                     gate = 1.0 / total
                     lse2 = row_max[r] + cute.math.log2(total, fastmath=False)
                     if const_expr(final and self.cfg.has_sink):
-                        sink = self._load_f32(attn_sink.toint() + Int64(head0 + row) * 4)
-                        # exp(lse) / (exp(lse) + exp(sink)); sink +inf -> 0, -inf -> 1
-                        gate = gate / (1.0 + cute.math.exp2(sink * _LOG2_E - lse2, fastmath=False))
+                        gate = gate * sink_gate(load_f32(attn_sink.toint() + Int64(head0 + row) * 4), lse2)
                 for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                     if const_expr(final):
                         tOgO_mn[r, j] = BFloat16(acc_O_mn[r, j] * gate)
@@ -438,13 +419,13 @@ class SparseMlaPartialKernel:
                         if const_expr(final):
                             lse_nat = Float32.inf
                             if total > 0.0:
-                                lse_nat = lse2 * _LN2
-                            self._store_f32(
+                                lse_nat = lse2 * LN_2
+                            store_f32(
                                 lse.toint() + (Int64(token) * lse_stride_t + Int64(head0 + row) * lse_stride_h) * 4,
                                 lse_nat,
                             )
                         else:
-                            self._store_f32(lse_part.toint() + (o_row0 + head0 + row) * 4, lse2)
+                            store_f32(lse_part.toint() + (o_row0 + head0 + row) * 4, lse2)
 
     # ------------------------------------------------------------------ per-chunk stages
     @cute.jit
