@@ -1,10 +1,14 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the tests never write into the user's JIT cache
+os.environ.setdefault("DSV4_MLA_CACHE_DIR", tempfile.mkdtemp(prefix="dsv4_mla_test_jit_"))
 
 
 def pytest_configure(config):

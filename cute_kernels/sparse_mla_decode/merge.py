@@ -12,6 +12,7 @@ One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
 
 from __future__ import annotations
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
@@ -57,7 +58,7 @@ class SparseMlaMergeKernel:
         lse: cute.Pointer,  # f32 [T, H]
         lse_stride_t: Int64,
         lse_stride_h: Int64,
-        stream,
+        stream: cuda.CUstream,
     ):
         self.kernel(
             o_part, lse_part, num_splits, num_heads, attn_sink,

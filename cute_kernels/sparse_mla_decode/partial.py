@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, const_expr
@@ -120,7 +121,7 @@ class SparseMlaPartialKernel:
         lse_stride_t: Int64,
         lse_stride_h: Int64,
         attn_sink: cute.Pointer,  # f32 [H] (final mode with cfg.has_sink)
-        stream,
+        stream: cuda.CUstream,
     ):
         # bf16 tile [rows, 512] in 8x64 swizzled atoms: conflict-free ldmatrix, both ways.
         atom = cute.make_composed_layout(

@@ -1,0 +1,82 @@
+"""What a compiled variant depends on, so that a stale binary is never loaded.
+
+A fingerprint holds the variant's name (every code-generating field is in it), its arch,
+the installed nvidia-cutlass-dsl version and its libs flavour (cu12/cu13: the exported
+objects link against that runtime), this project's version, and a hash of the kernel
+sources. The AOT manifest and the JIT disk cache are both keyed by it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from importlib import metadata
+from pathlib import Path
+
+from .variants import KernelVariant
+
+PROJECT = "dsv4-sparse-mla"
+PROJECT_VERSION = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
+FIELDS = ("name", "arch", "dsl_version", "dsl_libs", "project_version", "source_hash")
+
+_ROOT = Path(__file__).resolve().parents[1]
+# Every file whose content can change a generated binary.
+_SOURCES = ("cute_kernels/arch.py", "cute_kernels/sparse_mla_decode", "dispatch/loader.py", "dispatch/variants.py")
+
+
+@functools.lru_cache(maxsize=None)
+def dsl_version() -> str:
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        import cutlass
+
+        return getattr(cutlass, "__version__", "unknown")
+
+
+@functools.lru_cache(maxsize=None)
+def dsl_libs() -> str:
+    """Which nvidia-cutlass-dsl-libs-* flavour is installed (the runtime the objects link to)."""
+    found = []
+    for flavour in ("cu13", "cu12"):
+        try:
+            metadata.version(f"nvidia-cutlass-dsl-libs-{flavour}")
+            found.append(flavour)
+        except metadata.PackageNotFoundError:
+            pass
+    return "+".join(found) or "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    h = hashlib.sha256()
+    files = []
+    for rel in _SOURCES:
+        path = _ROOT / rel
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    for f in files:
+        h.update(str(f.relative_to(_ROOT)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def fingerprint(variant: KernelVariant) -> dict:
+    return {
+        "name": variant.name,
+        "arch": variant.arch,
+        "dsl_version": dsl_version(),
+        "dsl_libs": dsl_libs(),
+        "project_version": PROJECT_VERSION,
+        "source_hash": source_hash(),
+    }
+
+
+def fingerprint_id(fp: dict) -> str:
+    """A short stable id of a fingerprint (a directory name of the JIT disk cache)."""
+    text = "|".join(f"{k}={fp[k]}" for k in FIELDS)
+    return f"{fp['name']}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def mismatches(expected: dict, found: dict) -> list[str]:
+    """The fields in which ``found`` differs from ``expected``, as 'field: found != expected'."""
+    return [f"{k}: {found.get(k)!r} != {expected[k]!r}" for k in FIELDS if found.get(k) != expected[k]]

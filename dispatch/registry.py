@@ -1,0 +1,84 @@
+"""The DeepSeek-V4 deployment grid, as data: the shapes serving engines run.
+
+This is the single source of truth for what the offline AOT build compiles
+(``scripts/aot_build.py`` builds ``registry_variants(arch)``), and a test proves that it
+equals the set of variants the dispatch selects for these shapes. Shapes come from
+``../shared/notes/dsv4_sparse_mla.md``: heads per GPU for TP 1 to 16 of V4-Flash and
+V4-Pro, the main and extra top-k widths and page sizes, speculative-draft widths, and
+every combination of the optional inputs (lengths, sink) with one split (final mode) and
+several splits (partial + merge).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .metadata import DecodeMetadata
+from .variants import DEFAULT_PRECISION, KernelVariant, variants_for
+
+PRECISIONS_SERVED = (DEFAULT_PRECISION,)
+
+
+@dataclass(frozen=True)
+class DeploymentShape:
+    model: str
+    num_heads: int  # query heads per GPU
+    topk: int
+    page_block_size: int
+    extra_topk: int = 0
+    extra_page_block_size: int | None = None
+
+
+def _shapes() -> list[DeploymentShape]:
+    out = []
+    heads = {"V4-Flash": (64, 32, 16, 8, 4), "V4-Pro": (128, 64, 32, 16, 8), "V4.1-Flash": (64, 32, 16, 8)}
+    for model, hs in heads.items():
+        for h in hs:
+            mains = (128, 192, 256, 512) if model != "V4.1-Flash" else (1152,)
+            for topk, page in itertools.product(mains, (64, 256)):
+                out.append(DeploymentShape(model, h, topk, page))
+            extras = {"V4-Flash": ((512, 64), (1024, 2), (8192, 2)),
+                      "V4-Pro": ((1024, 64), (1024, 2), (8192, 2)),
+                      "V4.1-Flash": ((512, 32), (512, 128), (512, 256))}[model]
+            for extra_topk, extra_page in extras:
+                out.append(DeploymentShape(model, h, 128 if model != "V4.1-Flash" else 1152, 64,
+                                           extra_topk, extra_page))
+    return out
+
+
+DEPLOYMENT_SHAPES = tuple(_shapes())
+# num_tokens that reach decode: 1 token to prefill-sized calls (one split and several)
+DEPLOYMENT_NUM_TOKENS = (1, 2, 8, 64, 256, 4096)
+# SM counts of the targets: RTX PRO 6000 (188), RTX 5090 (170), DGX Spark GB10 (48), H200 (132)
+DEPLOYMENT_SM_COUNTS = (188, 170, 48, 132)
+
+
+def registry_calls():
+    """Every (metadata, num_splits) the deployment grid produces on the deployment GPUs."""
+    from .splits import plan_splits
+    from cute_kernels.sparse_mla_decode.config import PartialConfig
+
+    for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
+        has_len, has_extra_len, has_sink = flags
+        if has_extra_len and shape.extra_topk == 0:
+            continue
+        for T, sms in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS):
+            md = DecodeMetadata(num_tokens=T, num_heads=shape.num_heads, d_qk=512, topk=shape.topk,
+                                page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
+                                extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
+                                has_extra_topk_length=has_extra_len, has_sink=has_sink)
+            plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk,
+                               heads_per_cta=PartialConfig.heads_per_cta, block_n=PartialConfig.block_n,
+                               num_sms=sms)
+            yield md, plan.num_splits
+
+
+def registry_variants(arch: str) -> list[KernelVariant]:
+    """The variants the AOT build compiles for ``arch``, in a stable order."""
+    found = {}
+    for md, splits in registry_calls():
+        for precision in PRECISIONS_SERVED:
+            for v in variants_for(md, arch, splits, precision=precision):
+                found.setdefault(v.name, v)
+    return [found[name] for name in sorted(found)]
