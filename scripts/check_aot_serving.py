@@ -43,8 +43,8 @@ def serve_registry(aot_dir: str) -> int:
     flags = itertools.cycle(itertools.product((False, True), repeat=3))
     worst, first_call, calls, used = 0.0, None, 0, set()
     for shape in DEPLOYMENT_SHAPES:
+        has_len, has_extra_len, has_sink = next(flags)  # the same options at one split and at several
         for T in (1, 300):
-            has_len, has_extra_len, has_sink = next(flags)
             slots = caches[shape.page_block_size].shape[0] * shape.page_block_size
             q = torch.randn(T, shape.num_heads, 512, device="cuda").to(torch.bfloat16)
             idx = torch.randint(-1, slots, (T, shape.topk), device="cuda", dtype=torch.int32)
