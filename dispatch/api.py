@@ -10,18 +10,11 @@ import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
 from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, read_cache_view
-from cute_kernels.sparse_mla_decode.config import PartialConfig
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 
-from . import loader
 from .metadata import DecodeMetadata, InvalidDecodeInput
-from .splits import plan_splits
-from .variants import variants_for
 
-_LOG2_E = math.log2(math.e)
 _INT32_MAX = 2**31 - 1
-HEADS_PER_CTA = PartialConfig.heads_per_cta  # the tile sizes every partial variant shares
-BLOCK_N = PartialConfig.block_n
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,50 +144,55 @@ def _indices(t, name: str, lead: tuple, num_tokens: int, device, check: _Checker
     return flat
 
 
-# ---------------------------------------------------------------------- public API
-def sparse_mla_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    *,
-    sm_scale: float | None = None,
-    topk_length: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-    extra_kv_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V4 sparse MLA decode over a paged FP8 cache in the "MODEL1" layout.
+# ---------------------------------------------------------------------- validated call
+@dataclasses.dataclass
+class ValidatedCall:
+    """A call whose inputs passed every check, with what planning and launching need."""
 
-    Args:
-        q: ``[T, H, 512]`` (or ``[B, S, H, 512]``) bf16 queries, 448 nope + 64 rope dims.
-        kv_cache: the FP8 cache, uint8 or float8_e4m3fn, as ``[num_blocks, P, 1, 584]``,
-            ``[num_blocks, 1, P, 584]`` or ``[num_blocks, P*584]``; any block stride that is a
-            multiple of 16 bytes and at least P*584.
-        indices: ``[T, topk]`` (or ``[T, 1, topk]``, ``[B, S, topk]``) int32 cache slots,
-            slot = block * P + offset. -1, and any slot outside the cache, is ignored.
-        sm_scale: softmax scale, default ``512 ** -0.5``.
-        topk_length: optional ``[T]`` int32; only the first ``topk_length[t]`` entries count
-            (negative counts as 0, past topk as topk).
-        attn_sink: optional ``[H]`` float32 sink logits.
-        extra_kv_cache, extra_indices, extra_topk_length: an optional second (compressed)
-            cache with its own page size and list; main and extra entries form ONE softmax.
-        out, lse: optional outputs, written in place.
+    TENSORS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_cache", "extra_indices",
+               "extra_topk_length", "out", "lse")
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    indices: torch.Tensor
+    topk_length: torch.Tensor | None
+    attn_sink: torch.Tensor | None
+    extra_kv_cache: torch.Tensor | None
+    extra_indices: torch.Tensor | None
+    extra_topk_length: torch.Tensor | None
+    out: torch.Tensor
+    lse: torch.Tensor
+    num_tokens: int
+    num_heads: int
+    topk: int
+    extra_topk: int
+    main: CacheView
+    extra: CacheView  # the main cache when there is no extra cache (never read then)
+    strides: dict
+    sm_scale: float
+    device_index: int
+    arch: str | None
+    num_sms: int
+    launch_metadata: DecodeMetadata
 
-    Returns:
-        ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``, ``lse`` float32 ``[T, H]`` (leading dims
-        as ``q``). With s_j = sm_scale * <q, k_j> over the valid entries j:
-        ``lse = ln(sum_j exp(s_j))`` (natural log, the sink NOT folded in) and
-        ``out = sum_j softmax(s)_j v_j``, times ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``
-        when a sink is given. k_j and v_j are the same dequantized 512-dim latent.
-        A token with no valid entry gets ``out = 0`` and ``lse = +inf``.
+    def pointers(self) -> dict:
+        def ptr(t):
+            return 0 if t is None else t.data_ptr()
 
-    Raises:
-        InvalidDecodeInput (a ValueError): before any GPU work, for an input this function
-        cannot serve; the message names the call's shape and what was expected.
-    """
+        return {"q": ptr(self.q), "main": ptr(self.kv_cache), "indices": ptr(self.indices),
+                "topk_length": ptr(self.topk_length), "attn_sink": ptr(self.attn_sink), "out": ptr(self.out),
+                "lse": ptr(self.lse), "extra": ptr(self.extra_kv_cache) or ptr(self.kv_cache),
+                "extra_indices": ptr(self.extra_indices), "extra_topk_length": ptr(self.extra_topk_length)}
+
+    def plan_key(self) -> tuple:
+        sig = tuple(None if getattr(self, n) is None else
+                    (tuple(getattr(self, n).shape), tuple(getattr(self, n).stride()), getattr(self, n).dtype)
+                    for n in self.TENSORS)
+        return (self.device_index,) + sig
+
+
+def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
+                  extra_indices=None, extra_topk_length=None, out=None, lse=None) -> ValidatedCall:
+    """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput."""
     md = _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
                         attn_sink)
     check = _Checker(md)
@@ -237,7 +235,8 @@ def sparse_mla_decode(
     # scalars and outputs
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D_QK)
-    if isinstance(sm_scale, torch.Tensor) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+    if isinstance(sm_scale, (torch.Tensor, bool)) or not isinstance(sm_scale, (int, float)) or \
+            not math.isfinite(sm_scale):
         check.fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
     if attn_sink is not None:
         check.tensor(attn_sink, "attn_sink", torch.float32, device)
@@ -258,67 +257,110 @@ def sparse_mla_decode(
 
     if device.type != "cuda":
         check.fail(f"the inputs are on {device}: the kernels run on CUDA devices only")
-    arch, num_sms = _device_target(device.index if device.index is not None else torch.cuda.current_device())
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    arch, num_sms = _device_target(device_index)
     if arch is None:
         check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
-    if num_tokens == 0:
-        return out, lse
 
     extra_topk = 0 if extra_idx is None else extra_idx.shape[-1]
-    _launch(q3, main, idx, lens, extra, extra_idx if extra_topk > 0 else idx, extra_topk,
-            extra_lens if extra_topk > 0 else None, attn_sink, float(sm_scale), out3, lse2, md, arch, num_sms)
-    return out, lse
+    used_extra_idx = extra_idx if extra_topk > 0 else idx
+    strides = {
+        "q_t": q3.stride(0), "q_h": q3.stride(1), "idx_t": idx.stride(0),
+        "extra_idx_t": used_extra_idx.stride(0),
+        "main_block": main.block_stride, "main_slots": min(main.num_slots, _INT32_MAX),
+        "extra_block": extra.block_stride, "extra_slots": min(extra.num_slots, _INT32_MAX),
+        "out_t": out3.stride(0), "out_h": out3.stride(1), "lse_t": lse2.stride(0), "lse_h": lse2.stride(1),
+    }
+    return ValidatedCall(
+        q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+        extra_kv_cache=extra_kv_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+        out=out, lse=lse, num_tokens=num_tokens, num_heads=num_heads, topk=idx.shape[-1], extra_topk=extra_topk,
+        main=main, extra=extra, strides=strides, sm_scale=float(sm_scale), device_index=device_index, arch=arch,
+        num_sms=num_sms,
+        launch_metadata=dataclasses.replace(md, has_extra_topk_length=extra_lens is not None and extra_topk > 0),
+    )
 
 
-def _launch(q, main, idx, lens, extra, extra_idx, extra_topk, extra_lens, attn_sink, sm_scale, out, lse, md, arch,
-            num_sms):
-    """Pick the variants, split the work, allocate the partials and launch both kernels."""
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64, Uint8
-    from cutlass.cute.runtime import make_ptr
+# ---------------------------------------------------------------------- public API
+_PLANS: dict = {}
+_MAX_PLANS = 256
 
-    num_tokens, num_heads, _ = q.shape
-    md_launch = dataclasses.replace(md, has_extra_topk_length=extra_lens is not None)
-    device = q.device
-    plan = plan_splits(num_tokens, num_heads, idx.shape[-1], extra_topk, heads_per_cta=HEADS_PER_CTA,
-                       block_n=BLOCK_N, num_sms=num_sms)
-    variants = variants_for(md_launch, arch, plan.num_splits)
-    final = len(variants) == 1
-    if final:  # the partial kernel writes out and lse itself; these stand-ins are never touched
-        o_part, lse_part = q, lse
-    else:
-        o_part = torch.empty(num_tokens, plan.num_splits, num_heads, D_V, dtype=torch.float32, device=device)
-        lse_part = torch.empty(num_tokens, plan.num_splits, num_heads, dtype=torch.float32, device=device)
-    sink = attn_sink if attn_sink is not None else lse
 
-    def ptr(t, dtype, align):
-        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
+                           extra_indices=None, extra_topk_length=None, out=None, lse=None):
+    """Validate one call's inputs and return a ``DecodePlan`` for tensors laid out like them.
 
-    def source(view, lists, lengths, topk):
-        return [
-            ptr(view.blocks, Uint8, 16), Int32(view.page_block_size), Int64(view.block_stride),
-            Int32(min(view.num_slots, _INT32_MAX)), ptr(lists, Int32, 4), Int64(lists.stride(0)), Int32(topk),
-            ptr(lengths if lengths is not None else lists, Int32, 4),
-        ]
+    Hold the plan for a shape bucket and call ``plan.run(q, kv_cache, indices, ..., out=,
+    lse=, scratch=)`` on every step: it allocates nothing and can be captured in a CUDA
+    graph. ``plan.scratch_bytes`` says how much scratch ``run`` needs (``plan.new_scratch()``).
+    """
+    from .plan import DecodePlan
 
-    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    partial = loader.get_compiled(variants[0])
-    with torch.cuda.device(device):
-        partial(
-            ptr(q, BFloat16, 16), Int64(q.stride(0)), Int64(q.stride(1)), Int32(num_tokens), Int32(num_heads),
-            *source(main, idx, lens, idx.shape[-1]),
-            *source(extra, extra_idx, extra_lens, extra_topk),
-            Float32(sm_scale * _LOG2_E), Int32(plan.chunks_per_split), Int32(plan.num_splits),
-            ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4),
-            ptr(out, BFloat16, 8), Int64(out.stride(0)), Int64(out.stride(1)),
-            ptr(lse, Float32, 4), Int64(lse.stride(0)), Int64(lse.stride(1)), ptr(sink, Float32, 4), stream,
-        )
-        if not final:
-            loader.get_compiled(variants[1])(
-                ptr(o_part, Float32, 16), ptr(lse_part, Float32, 4), Int32(num_tokens), Int32(plan.num_splits),
-                Int32(num_heads), ptr(sink, Float32, 4),
-                ptr(out, BFloat16, 8), Int64(out.stride(0)), Int64(out.stride(1)),
-                ptr(lse, Float32, 4), Int64(lse.stride(0)), Int64(lse.stride(1)), stream,
-            )
+    call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
+                         extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                         extra_topk_length=extra_topk_length, out=out, lse=lse)
+    return DecodePlan(call)
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 sparse MLA decode over a paged FP8 cache in the "MODEL1" layout.
+
+    Args:
+        q: ``[T, H, 512]`` (or ``[B, S, H, 512]``) bf16 queries, 448 nope + 64 rope dims.
+        kv_cache: the FP8 cache, uint8 or float8_e4m3fn, as ``[num_blocks, P, 1, 584]``,
+            ``[num_blocks, 1, P, 584]`` or ``[num_blocks, P*584]``; any block stride that is a
+            multiple of 16 bytes and at least P*584.
+        indices: ``[T, topk]`` (or ``[T, 1, topk]``, ``[B, S, topk]``) int32 cache slots,
+            slot = block * P + offset. -1, and any slot outside the cache, is ignored.
+        sm_scale: softmax scale, default ``512 ** -0.5``.
+        topk_length: optional ``[T]`` int32; only the first ``topk_length[t]`` entries count
+            (negative counts as 0, past topk as topk).
+        attn_sink: optional ``[H]`` float32 sink logits.
+        extra_kv_cache, extra_indices, extra_topk_length: an optional second (compressed)
+            cache with its own page size and list; main and extra entries form ONE softmax.
+        out, lse: optional outputs, written in place.
+
+    Returns:
+        ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``, ``lse`` float32 ``[T, H]`` (leading dims
+        as ``q``). With s_j = sm_scale * <q, k_j> over the valid entries j:
+        ``lse = ln(sum_j exp(s_j))`` (natural log, the sink NOT folded in; the adapters in
+        ``dispatch.adapters`` convert to other libraries' conventions explicitly) and
+        ``out = sum_j softmax(s)_j v_j``, times ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``
+        when a sink is given. k_j and v_j are the same dequantized 512-dim latent.
+        A token with no valid entry gets ``out = 0`` and ``lse = +inf``.
+
+    Raises:
+        InvalidDecodeInput (a ValueError): before any GPU work, for an input this function
+        cannot serve; the message names the call's shape and what was expected.
+    """
+    from .plan import DecodePlan
+
+    call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
+                         extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                         extra_topk_length=extra_topk_length, out=out, lse=lse)
+    if call.num_tokens == 0:
+        return call.out, call.lse
+    key = call.plan_key()
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = DecodePlan(call)
+    return plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=plan.new_scratch(),
+                    sm_scale=call.sm_scale, topk_length=call.topk_length, attn_sink=call.attn_sink,
+                    extra_kv_cache=call.extra_kv_cache, extra_indices=call.extra_indices,
+                    extra_topk_length=call.extra_topk_length)

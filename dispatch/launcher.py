@@ -1,0 +1,96 @@
+"""Launch a compiled kernel with its C arguments packed once and updated in place.
+
+The DSL's generic call path marshals every argument on every call (tens of microseconds
+for the ~45 arguments of the partial kernel). A ``BoundKernel`` instead keeps one ctypes
+slot per argument and the packed argument array of the host entry point alive; a launch
+writes the new values into the slots and calls the entry point. At construction it checks
+against the DSL's own marshalling of the same arguments, byte for byte, that every slot
+holds what the generic path would pass, so a change of the DSL's calling convention fails
+loudly here instead of launching with wrong arguments (nvidia-cutlass-dsl is pinned).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import cuda.bindings.driver as cuda
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.runtime import make_ptr
+
+
+def argument_kinds(fake_args: list) -> list:
+    """The kind of each kernel argument, from the stand-ins the kernel was compiled with."""
+    from cutlass.cute.runtime import _Pointer
+
+    kinds = []
+    for a in fake_args:
+        if isinstance(a, _Pointer):
+            kinds.append(("ptr", a.dtype, a._assumed_align, a.memspace))
+        elif isinstance(a, Int32):
+            kinds.append(("i32",))
+        elif isinstance(a, Int64):
+            kinds.append(("i64",))
+        elif isinstance(a, Float32):
+            kinds.append(("f32",))
+        else:  # the stream (a fake stream at compile time)
+            kinds.append(("stream",))
+    return kinds
+
+
+_CTYPE = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
+          "stream": ctypes.c_void_p}
+
+
+def _generic_arg(kind, value):
+    if kind[0] == "ptr":
+        return make_ptr(kind[1], value, kind[3], assumed_align=kind[2])
+    if kind[0] == "i32":
+        return Int32(value)
+    if kind[0] == "i64":
+        return Int64(value)
+    if kind[0] == "f32":
+        return Float32(value)
+    return cuda.CUstream(value)
+
+
+class BoundKernel:
+    """One compiled kernel on one device, with persistent packed arguments."""
+
+    def __init__(self, compiled, kinds: list, example_values: list, device_index: int):
+        if len(kinds) != len(example_values):
+            raise ValueError("one example value per kernel argument is needed")
+        self._executor = compiled.to(device_index)
+        self._slots = [_CTYPE[k[0]]() for k in kinds]
+        self.write(example_values)
+        generic, keep_alive = self._executor.generate_execution_args(
+            *[_generic_arg(k, v) for k, v in zip(kinds, example_values)]
+        )
+        if len(generic) != len(kinds):
+            raise RuntimeError(f"the DSL passes {len(generic)} C arguments for {len(kinds)} kernel arguments: "
+                               f"its calling convention changed (nvidia-cutlass-dsl must be the pinned version)")
+        for i, (g, slot) in enumerate(zip(generic, self._slots)):
+            address = g.value if isinstance(g, ctypes.c_void_p) else int(g)
+            if ctypes.string_at(address, ctypes.sizeof(slot)) != bytes(slot):
+                raise RuntimeError(f"kernel argument {i} ({kinds[i][0]}) is marshalled differently by the DSL: "
+                                   f"its calling convention changed (nvidia-cutlass-dsl must be the pinned version)")
+        # the DSL's packed array holds the arguments, then its own trailing entries (result, kernels)
+        reference = self._executor._get_invoke_packed_args(generic)
+        total = len(kinds) + self._executor._num_extra_args
+        self._packed = (ctypes.c_void_p * total)()
+        for i, slot in enumerate(self._slots):
+            self._packed[i] = ctypes.addressof(slot)
+        for i in range(len(kinds), total):
+            self._packed[i] = reference[i]
+        self._capi = self._executor.capi_func
+        self._result = self._executor.cuda_result
+        del keep_alive
+
+    def write(self, values: list) -> None:
+        for slot, v in zip(self._slots, values):
+            slot.value = v
+
+    def launch(self) -> None:
+        self._capi(self._packed)
+        if self._result is not None and self._result.value != 0:
+            code = self._result.value
+            raise RuntimeError(f"kernel launch failed with CUDA error {code}")

@@ -1,0 +1,39 @@
+"""``torch.ops.dsv4_mla.sparse_mla_decode``: the decode as a registered torch custom op.
+
+Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so
+``torch.compile(fullgraph=True)`` traces a model that calls it without a graph break.
+Importing ``dispatch`` registers it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_kernels.sparse_mla_decode.layout import D_V
+
+from .api import sparse_mla_decode
+
+
+@torch.library.custom_op("dsv4_mla::sparse_mla_decode", mutates_args=())
+def sparse_mla_decode_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same semantics as ``dispatch.sparse_mla_decode`` (lse: natural log, sink not folded in)."""
+    return sparse_mla_decode(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
+                             extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                             extra_topk_length=extra_topk_length)
+
+
+@sparse_mla_decode_op.register_fake
+def _(q, kv_cache, indices, sm_scale, topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
+      extra_topk_length=None):
+    lead = q.shape[:-1]
+    return q.new_empty(*lead, D_V), q.new_empty(*lead, dtype=torch.float32)

@@ -1,0 +1,81 @@
+"""Host overhead per decode call on the GPU: eager calls minus CUDA-graph replays.
+
+    python scripts/host_overhead.py [--calls 3000]
+
+For a T=1 shape (H=16, topk=128) and a T=8 dual-cache shape, times back-to-back calls
+of (a) the one-shot ``sparse_mla_decode`` (validation + plan lookup + launch), (b) a held
+``DecodePlan.run`` and (c) the replay of a CUDA graph of ``DecodePlan.run``. Wall time per
+call of (a)/(b) minus (c) is the host overhead the call adds beyond the GPU work; the
+host time of one call (no synchronization) is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dispatch import plan_sparse_mla_decode, sparse_mla_decode  # noqa: E402
+from tests.dsv4_inputs import make_cache, make_indices  # noqa: E402
+
+
+def per_call_us(fn, calls: int) -> tuple[float, float]:
+    """(wall time per call with the GPU work included, host time per call)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return wall / calls * 1e6, host / calls * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=3000)
+    args = ap.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache(64, 64, device="cuda", gen=gen)
+    extra = make_cache(64, 64, device="cuda", gen=gen)
+    rows = []
+    for T, H, topk, extra_topk in ((1, 16, 128, 0), (8, 64, 128, 512)):
+        q = torch.randn(T, H, 512, generator=gen).bfloat16().cuda()
+        idx = make_indices(T, topk, 4096, device="cuda", gen=gen)
+        kw = {}
+        if extra_topk:
+            kw = dict(extra_kv_cache=extra, extra_indices=make_indices(T, extra_topk, 4096, device="cuda", gen=gen))
+        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(T, H, device="cuda")
+        plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+        scratch = plan.new_scratch()
+
+        def run():
+            plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        one_shot = per_call_us(lambda: sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw), args.calls)
+        planned = per_call_us(run, args.calls)
+        replay = per_call_us(graph.replay, args.calls)
+        rows.append((f"T={T} H={H} topk={topk}" + (f"+{extra_topk}" if extra_topk else ""), one_shot, planned, replay))
+    print(f"{'shape':<26} {'one-shot us':>12} {'host':>6} {'plan.run us':>12} {'host':>6} {'graph us':>9} "
+          f"{'overhead one-shot':>18} {'overhead plan.run':>18}")
+    for name, a, b, c in rows:
+        print(f"{name:<26} {a[0]:>12.1f} {a[1]:>6.1f} {b[0]:>12.1f} {b[1]:>6.1f} {c[0]:>9.1f} "
+              f"{a[0] - c[0]:>18.1f} {b[0] - c[0]:>18.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

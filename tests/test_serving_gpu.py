@@ -1,0 +1,207 @@
+"""Serving-engine readiness on a CUDA GPU: planned runs, CUDA graphs, torch.compile, adapters, soak."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cute_kernels.sparse_mla_decode.reference import reference_decode
+from dispatch import plan_sparse_mla_decode, sparse_mla_decode
+from dispatch.adapters import flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4
+from tests.dsv4_inputs import INT32_MAX, INT32_MIN, make_cache, make_indices
+from tests.test_decode_gpu import check_against_reference
+from tests.tolerances import OUT_REL_L2_MAX
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _inputs(T=8, H=16, topk=192, extra_topk=512, gen=None, lengths=True, sink=True):
+    gen = gen or torch.Generator().manual_seed(torch.seed() % 2**31)
+    cache = make_cache(64, 64, device=DEV, gen=gen)
+    extra = make_cache(300, 2, device=DEV, gen=gen)
+    kw = dict(extra_kv_cache=extra,
+              extra_indices=make_indices(T, extra_topk, 600, device=DEV, invalid_frac=0.1, gen=gen))
+    if lengths:
+        kw["topk_length"] = torch.randint(0, topk + 1, (T,), generator=gen).int().to(DEV)
+        kw["extra_topk_length"] = torch.randint(0, extra_topk + 1, (T,), generator=gen).int().to(DEV)
+    if sink:
+        kw["attn_sink"] = (torch.randn(H, generator=gen) + 3).to(DEV)
+    q = torch.randn(T, H, 512, generator=gen).bfloat16().to(DEV)
+    idx = make_indices(T, topk, 64 * 64, device=DEV, invalid_frac=0.1, gen=gen)
+    return q, cache, idx, kw
+
+
+def _refill(q, idx, kw, gen):
+    """New values in the same tensors (what a serving step does between replays)."""
+    q.copy_(torch.randn(q.shape, generator=gen).bfloat16())
+    idx.copy_(make_indices(idx.shape[0], idx.shape[1], 64 * 64, device=DEV, invalid_frac=0.1, gen=gen))
+    if "topk_length" in kw:
+        kw["topk_length"].copy_(torch.randint(0, idx.shape[1] + 1, (idx.shape[0],), generator=gen).int())
+
+
+@pytest.mark.parametrize("T", [1, 300])  # several splits + merge, and one split (final mode)
+def test_plan_run_equals_one_shot(T):
+    q, cache, idx, kw = _inputs(T=T)
+    out = torch.full((T, 16, 512), math.nan, dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((T, 16), math.nan, device=DEV)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    scratch = plan.new_scratch()
+    plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+    ref_out, ref_lse = sparse_mla_decode(q, cache, idx, **kw)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    check_against_reference(out, lse, *reference_decode(q, cache, idx, **kw))
+
+
+def test_plan_run_refuses_a_different_layout():
+    q, cache, idx, kw = _inputs(T=1)  # several splits: the plan needs scratch
+    out, lse = torch.empty(1, 16, 512, dtype=torch.bfloat16, device=DEV), torch.empty(1, 16, device=DEV)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    assert plan.scratch_bytes > 0
+    scratch = plan.new_scratch()
+    q2 = torch.randn(2, 16, 512, device=DEV).bfloat16()
+    with pytest.raises(ValueError, match="the plan was built for shape"):
+        plan.run(q2, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+    without_sink = {k: v for k, v in kw.items() if k != "attn_sink"}
+    with pytest.raises(ValueError, match="attn_sink is required"):
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **without_sink)
+    plan_no_sink = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **without_sink)
+    with pytest.raises(ValueError, match="not part of the planned call"):
+        plan_no_sink.run(q, cache, idx, out=out, lse=lse, scratch=plan_no_sink.new_scratch(), **kw)
+    with pytest.raises(ValueError, match="scratch must be"):
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=None, **kw)
+
+
+@pytest.mark.parametrize("T", [4, 300])
+def test_cuda_graph_replay_with_new_values_and_padding(T):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, cache, idx, kw = _inputs(T=T, gen=gen)
+    out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(T, 16, device=DEV)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    scratch = plan.new_scratch()
+    plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+    for _ in range(3):
+        _refill(q, idx, kw, gen)
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        eager_out, eager_lse = sparse_mla_decode(q, cache, idx, **kw)
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    # a padded batch: only the first `valid` tokens are real, the rest have length 0 in both lists
+    valid = max(T // 2, 1)
+    kw["topk_length"][valid:] = 0
+    kw["extra_topk_length"][valid:] = 0
+    graph.replay()
+    sub = {k: (v[:valid] if k in ("topk_length", "extra_topk_length", "extra_indices") else v) for k, v in kw.items()}
+    eager_out, eager_lse = sparse_mla_decode(q[:valid], cache, idx[:valid], **sub)
+    assert torch.equal(out[:valid], eager_out) and torch.equal(lse[:valid], eager_lse)
+    assert (out[valid:] == 0).all() and torch.isposinf(lse[valid:]).all()
+
+
+def test_one_shot_call_can_be_captured():
+    q, cache, idx, kw = _inputs(T=2)
+    sparse_mla_decode(q, cache, idx, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = sparse_mla_decode(q, cache, idx, **kw)
+    q.copy_(torch.randn_like(q.float()).bfloat16())
+    graph.replay()
+    ref_out, ref_lse = sparse_mla_decode(q, cache, idx, **kw)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_torch_compile_fullgraph():
+    q, cache, idx, kw = _inputs(T=4)
+    scale = 512 ** -0.5
+
+    def layer(q, cache, idx, lens, sink, extra, e_idx, e_lens):
+        out, lse = torch.ops.dsv4_mla.sparse_mla_decode(q * 1.0, cache, idx, scale, lens, sink, extra, e_idx, e_lens)
+        return out.float().sum(-1) + lse
+
+    args = (q, cache, idx, kw["topk_length"], kw["attn_sink"], kw["extra_kv_cache"], kw["extra_indices"],
+            kw["extra_topk_length"])
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.allclose(compiled(*args), layer(*args), equal_nan=True)
+
+
+def test_flash_mla_adapter_conventions():
+    B, S, H = 3, 2, 16
+    q, cache, idx, kw = _inputs(T=B * S, H=H)
+    out, lse = flash_mla_with_kvcache(
+        q.view(B, S, H, 512), cache, None, None, 512, None, None, softmax_scale=0.07, is_fp8_kvcache=True,
+        indices=idx.view(B, S, -1), attn_sink=kw["attn_sink"], extra_k_cache=kw["extra_kv_cache"],
+        extra_indices_in_kvcache=kw["extra_indices"].view(B, S, -1), topk_length=kw["topk_length"].view(B, S),
+        extra_topk_length=kw["extra_topk_length"].view(B, S))
+    assert out.shape == (B, S, H, 512) and lse.shape == (B, H, S)  # FlashMLA's layouts
+    ref_out, ref_lse = reference_decode(q, cache, idx, sm_scale=0.07, **kw)
+    check_against_reference(out.reshape(B * S, H, 512), lse.transpose(1, 2).reshape(B * S, H), ref_out, ref_lse)
+
+
+def test_flashinfer_adapter_conventions():
+    T, H = 6, 16
+    q, cache, idx, kw = _inputs(T=T, H=H)
+    idx[0] = -1
+    kw["extra_indices"][0] = -1  # token 0 selects nothing
+    out, lse = trtllm_batch_decode_sparse_mla_dsv4(
+        q, cache, None, idx, compressed_kv_cache=kw["extra_kv_cache"], sparse_topk_lens=kw["topk_length"],
+        bmm1_scale=0.05, sinks=kw["attn_sink"], kv_layout="NHD", extra_sparse_indices=kw["extra_indices"],
+        extra_sparse_topk_lens=kw["extra_topk_length"], return_lse=True)
+    ref_out, ref_lse = reference_decode(q, cache, idx, sm_scale=0.05, **kw)
+    nat = lse / math.log2(math.e)
+    want = torch.logaddexp(torch.where(torch.isposinf(ref_lse), -math.inf, ref_lse), kw["attn_sink"][None, :])
+    assert torch.allclose(nat, want, atol=1e-3)  # log2, sink folded in
+    assert torch.allclose(lse[0], kw["attn_sink"] * math.log2(math.e))  # empty token: just the sink
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref_out).flatten(1).norm(dim=1)
+    scale = ref_out.flatten(1).norm(dim=1)
+    assert (err[scale == 0] == 0).all() and (err[scale > 0] / scale[scale > 0]).max() <= OUT_REL_L2_MAX["bf16"]
+
+
+def test_out_of_range_indices_are_never_read():
+    gen = torch.Generator().manual_seed(1)
+    cache = make_cache(8, 64, device=DEV, gen=gen)
+    n = 8 * 64
+    bad = torch.tensor([-1, -2, INT32_MIN, INT32_MAX, n, n + 1], dtype=torch.int32)
+    idx = torch.cat([bad.repeat(4, 1), torch.randint(0, n, (4, 10), generator=gen).int()], dim=1).to(DEV)
+    idx[3, 6:] = -1  # token 3: only invalid entries
+    q = torch.randn(4, 8, 512, generator=gen).bfloat16().to(DEV)
+    out, lse = sparse_mla_decode(q, cache, idx)
+    ref_out, ref_lse = reference_decode(q, cache, idx)
+    check_against_reference(out, lse, ref_out, ref_lse)
+    assert torch.isposinf(lse[3]).all() and (out[3] == 0).all()
+
+
+def test_soak_10000_calls():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    shapes = [(T, H, topk, extra) for T, H, topk, extra in
+              [(1, 16, 128, 0), (2, 8, 192, 512), (5, 64, 256, 0), (7, 128, 128, 64), (3, 4, 100, 1024),
+               (16, 16, 512, 0), (1, 32, 1152, 512), (65, 16, 64, 0)]]
+    pool = []
+    for T, H, topk, extra in shapes:
+        q, cache, idx, kw = _inputs(T=T, H=H, topk=topk, extra_topk=max(extra, 1), gen=gen,
+                                    lengths=bool(T % 2), sink=bool(H % 32))
+        if extra == 0:
+            for k in ("extra_kv_cache", "extra_indices", "extra_topk_length"):
+                kw.pop(k, None)
+        pool.append((q, cache, idx, kw))
+    for i in range(len(pool)):  # warm-up: compile/plan every shape once
+        sparse_mla_decode(pool[i][0], pool[i][1], pool[i][2], **pool[i][3])
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for i in range(10_000):
+        q, cache, idx, kw = pool[torch.randint(0, len(pool), (1,), generator=gen).item()]
+        out, lse = sparse_mla_decode(q, cache, idx, **kw)
+        if i % 500 == 0:
+            check_against_reference(out, lse, *reference_decode(q, cache, idx, **kw))
+            q.copy_(torch.randn(q.shape, generator=gen).bfloat16())
+    torch.cuda.synchronize()
+    del out, lse
+    assert torch.cuda.memory_allocated() <= base, "device memory grew over the soak"
