@@ -89,6 +89,12 @@ class BoundKernel:
         for slot, v in zip(self._slots, values):
             slot.value = v
 
+    def write_at(self, positions: list[int], values: list) -> None:
+        """Write only ``values[i]`` for ``i`` in ``positions`` (the others are unchanged)."""
+        slots = self._slots
+        for i in positions:
+            slots[i].value = values[i]
+
     def launch(self) -> None:
         self._capi(self._packed)
         if self._result is not None and self._result.value != 0:

@@ -28,10 +28,13 @@ from .variants import variants_for
 _LOG2_E = math.log2(math.e)
 _INT32_MAX = 2**31 - 1
 SCRATCH_ALIGN = 256
+# the current stream's raw handle: torch's fast accessor where the build has it (CUDA builds do)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def _signature(t):
-    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+    return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
 class DecodePlan:
@@ -61,12 +64,15 @@ class DecodePlan:
         partial = loader.get_compiled(self.variants[0])
         self._partial = BoundKernel(partial, argument_kinds(loader.build_kernel(self.variants[0]).fake_args()),
                                     self._partial_values(call.pointers(), call.sm_scale, 0, 0), self.device_index)
+        self._partial_dynamic = self._dynamic_positions(self._partial_values)
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
         self._merge = None
         if not self.final:
             merge = loader.get_compiled(self.variants[1])
             self._merge = BoundKernel(merge, argument_kinds(loader.build_kernel(self.variants[1]).fake_args()),
                                       self._merge_values(call.pointers(), 0, 0), self.device_index)
+            self._merge_dynamic = self._dynamic_positions(lambda p, scale, scratch, stream:
+                                                          self._merge_values(p, scratch, stream))
 
     # ------------------------------------------------------------------ argument values
     def _partial_values(self, p, sm_scale, scratch, stream):
@@ -92,6 +98,18 @@ class DecodePlan:
             stream,
         ]
 
+    def _dynamic_positions(self, values_fn) -> list[int]:
+        """The argument positions that depend on the tensors' addresses, sm_scale, scratch or stream.
+
+        Found by evaluating the argument list with two different sets of those inputs; every
+        other argument is fixed by the plan and written once.
+        """
+        keys = ("q", "main", "indices", "topk_length", "attn_sink", "out", "lse", "extra", "extra_indices",
+                "extra_topk_length")
+        a = values_fn({k: 4096 * (i + 1) for i, k in enumerate(keys)}, 1.0, 1 << 20, 7)
+        b = values_fn({k: 8192 * (i + 3) for i, k in enumerate(keys)}, 2.0, 1 << 21, 9)
+        return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+
     # ------------------------------------------------------------------ run
     def new_scratch(self) -> torch.Tensor | None:
         """A scratch buffer for ``run`` (None when the plan needs none)."""
@@ -107,7 +125,7 @@ class DecodePlan:
             return 0
         if t is None:
             raise ValueError(f"DecodePlan.run: {name} is required by this plan")
-        if (tuple(t.shape), tuple(t.stride()), t.dtype) != exp or t.get_device() != self.device_index:
+        if t.shape != exp[0] or t.stride() != exp[1] or t.dtype != exp[2] or t.get_device() != self.device_index:
             raise ValueError(
                 f"DecodePlan.run: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
                 f"{t.device}; the plan was built for shape {list(exp[0])}, strides {list(exp[1])}, {exp[2]} on "
@@ -138,11 +156,11 @@ class DecodePlan:
                 raise ValueError(f"DecodePlan.run: scratch must be a contiguous buffer of at least "
                                  f"{self.scratch_bytes} bytes on cuda:{self.device_index} (plan.new_scratch())")
             base = -(-scratch.data_ptr() // SCRATCH_ALIGN) * SCRATCH_ALIGN
-        stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        stream = _raw_stream(self.device_index)
         with self._lock:
-            self._partial.write(self._partial_values(p, float(sm_scale), base, stream))
+            self._partial.write_at(self._partial_dynamic, self._partial_values(p, float(sm_scale), base, stream))
             self._partial.launch()
             if self._merge is not None:
-                self._merge.write(self._merge_values(p, base, stream))
+                self._merge.write_at(self._merge_dynamic, self._merge_values(p, base, stream))
                 self._merge.launch()
         return out, lse

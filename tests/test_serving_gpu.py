@@ -98,11 +98,13 @@ def test_cuda_graph_replay_with_new_values_and_padding(T):
     valid = max(T // 2, 1)
     kw["topk_length"][valid:] = 0
     kw["extra_topk_length"][valid:] = 0
+    out.fill_(math.nan)
     graph.replay()
-    sub = {k: (v[:valid] if k in ("topk_length", "extra_topk_length", "extra_indices") else v) for k, v in kw.items()}
-    eager_out, eager_lse = sparse_mla_decode(q[:valid], cache, idx[:valid], **sub)
-    assert torch.equal(out[:valid], eager_out) and torch.equal(lse[:valid], eager_lse)
+    eager_out, eager_lse = sparse_mla_decode(q, cache, idx, **kw)  # eager on the same padded batch
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     assert (out[valid:] == 0).all() and torch.isposinf(lse[valid:]).all()
+    sub = {k: (v[:valid] if k in ("topk_length", "extra_topk_length", "extra_indices") else v) for k, v in kw.items()}
+    check_against_reference(out[:valid], lse[:valid], *reference_decode(q[:valid], cache, idx[:valid], **sub))
 
 
 def test_one_shot_call_can_be_captured():
