@@ -96,6 +96,11 @@ BAD = [
     ("cache width", dict(kv_cache=torch.zeros(4, 64, 1, 576, dtype=torch.uint8)), {}, "[num_blocks, P, 1, 584]"),
     ("cache stride", dict(kv_cache=torch.as_strided(torch.zeros(4 * 37384, dtype=torch.uint8), (4, 64, 1, 584),
                                                     (37384, 584, 584, 1))), {}, "not a multiple of 16"),
+    ("cache bytes strided", dict(kv_cache=torch.zeros(4, 64, 1, 1168, dtype=torch.uint8)[..., ::2]), {},
+     "must be contiguous"),
+    ("cache blocks overlap", dict(kv_cache=torch.as_strided(torch.zeros(4 * 37376, dtype=torch.uint8),
+                                                            (4, 64, 1, 584), (37360, 584, 584, 1))), {},
+     "smaller than a block"),
     ("cache on meta", dict(kv_cache=torch.zeros(4, 64, 1, 584, dtype=torch.uint8, device="meta")), {},
      "kv_cache is on meta, expected cpu"),
     ("extra cache alone", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu")), "pass both or neither"),
@@ -140,3 +145,13 @@ def test_message_names_the_actual_shape():
         _call(dict(q=torch.randn(3, 24, 512), indices=make_indices(3, 192, 256, device="cpu")))
     assert ("num_tokens=3, num_heads=24, topk=192, d_qk=512, page_block_size=64, extra_topk=0"
             in str(info.value))
+
+
+def test_readme_table_lists_every_refusal():
+    """The README's table of refused inputs and this file's cases are the same list."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| `") and ln.count("|") == 4]
+    table = {ln.split("|")[2].strip(): ln.split("|")[3].strip().strip("`") for ln in rows}
+    assert table == {name: message for name, _, _, message in BAD}
