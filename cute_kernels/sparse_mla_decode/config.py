@@ -52,7 +52,7 @@ class PartialConfig:
         kv_tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
         raw = self.num_stages * self.stage_bytes
         s_exchange = self.num_warps * self.heads_per_cta * self.block_n * 4
-        slots = self.num_stages * self.block_n * 4
+        slots = 3 * self.block_n * 4  # partial.SLOT_BUFFERS
         return kv_tile + raw + s_exchange + slots + 1024  # + alignment slack
 
     def check(self) -> None:

@@ -16,6 +16,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.memory import SmemAllocator
 
 from .config import MergeConfig
 from .device_utils import LN_2, load_f32, sink_gate, store_f32
@@ -88,16 +89,28 @@ class SparseMlaMergeKernel:
                           cute.AddressSpace.gmem, assumed_align=4),
             cute.make_layout(num_splits, stride=num_heads),
         )
+        # max over the splits: each thread scans a strided subset, then warp and block reductions
+        # (independent loads in flight instead of one latency per split)
+        nwarps = self.cfg.num_threads // 32
+        sMax = SmemAllocator().allocate_tensor(Float32, cute.make_layout(nwarps), byte_alignment=16)
         m = -Float32.inf
-        for s in cutlass.range(num_splits, unroll=1):
+        for s in cutlass.range(tidx, num_splits, self.cfg.num_threads, unroll=1):
             m = cute.arch.fmax(m, gLse[s])
+        for offset in (16, 8, 4, 2, 1):
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset, mask=-1, mask_and_clamp=31))
+        if tidx % 32 == 0:
+            sMax[tidx // 32] = m
+        cute.arch.sync_threads()
+        m = sMax[0]
+        for w in cutlass.range_constexpr(1, nwarps):
+            m = cute.arch.fmax(m, sMax[w])
 
         acc = cute.make_rmem_tensor(vec, Float32)
         acc.fill(0.0)
         lse_out = Float32.inf
         if m != -Float32.inf:
             total = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
+            for s in cutlass.range(num_splits, unroll=4):  # several splits' loads in flight
                 w = cute.math.exp2(gLse[s] - m, fastmath=True)
                 total = total + w
                 gO = cute.make_tensor(

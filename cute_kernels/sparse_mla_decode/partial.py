@@ -46,6 +46,8 @@ from .config import PartialConfig
 from .device_utils import LN_2, load_f32, load_i32, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE, UE8M0_BIAS
 
+SLOT_BUFFERS = 3  # slots are staged two chunks ahead of their use
+
 
 
 def _bits_to_f32(bits: Int32) -> Float32:
@@ -239,7 +241,7 @@ class SparseMlaPartialKernel:
         sS = smem.allocate_tensor(
             Float32, cute.make_layout((hb, bn, self.nwarps), stride=(bn, 1, hb * bn)), byte_alignment=16
         )
-        sSlot = smem.allocate_tensor(Int32, cute.make_layout((bn, self.cfg.num_stages)), byte_alignment=16)
+        sSlot = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
         sQ = cute.make_tensor(sKV.iterator, q_layout)  # Q is staged in the KV tile first
         raw_base = sRaw.iterator.toint()
 
@@ -261,8 +263,26 @@ class SparseMlaPartialKernel:
                 cute.copy(cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128), src, tQsQ[None, i, 0])
             else:
                 tQsQ[None, i, 0].fill(0.0)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
+        cute.arch.cp_async_commit_group()  # group: Q
+
+        # ---- the first chunks' slots (one index load per entry, in parallel), then their rows
+        ctx = SimpleNamespace(
+            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sSlot=sSlot,
+            main_idx_row=main_idx_row, main_limit=main_limit, main_num_slots=main_num_slots,
+            main_page=main_page, main_block_stride=main_block_stride, main_base=main_cache.toint(),
+            extra_idx_row=extra_idx_row, extra_limit=extra_limit, extra_num_slots=extra_num_slots,
+            extra_page=extra_page, extra_block_stride=extra_block_stride, extra_base=extra_cache.toint(),
+            g2s_16=g2s_16, g2s_8=g2s_8,
+        )
+        if c_begin < c_end:
+            self._stage_slots(ctx, c_begin, Int32(0))
+        if c_begin + 1 < c_end:
+            self._stage_slots(ctx, c_begin + 1, Int32(1))
+        cute.arch.sync_threads()  # slots visible
+        if c_begin < c_end:
+            self._issue_rows(ctx, c_begin, Int32(0), Int32(0))
+        cute.arch.cp_async_commit_group()  # group: rows of the first chunk
+        cute.arch.cp_async_wait_group(1)  # Q landed (the rows may still be in flight)
         cute.arch.sync_threads()
 
         # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
@@ -307,25 +327,23 @@ class SparseMlaPartialKernel:
         tXsKV = thr_store.partition_D(sKV)
         tXcKV = thr_store.partition_D(cute.make_identity_tensor((bn, D_QK)))
 
-        ctx = SimpleNamespace(
-            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sSlot=sSlot,
-            main_idx_row=main_idx_row, main_limit=main_limit, main_num_slots=main_num_slots,
-            main_page=main_page, main_block_stride=main_block_stride, main_base=main_cache.toint(),
-            extra_idx_row=extra_idx_row, extra_limit=extra_limit, extra_num_slots=extra_num_slots,
-            extra_page=extra_page, extra_block_stride=extra_block_stride, extra_base=extra_cache.toint(),
-            g2s_16=g2s_16, g2s_8=g2s_8, tXsKV=tXsKV, tXcKV=tXcKV,
-        )
+        ctx.tXsKV = tXsKV
+        ctx.tXcKV = tXcKV
 
-        # ---- main loop over the chunks of this split
-        if c_begin < c_end:
-            self._issue_gather(ctx, c_begin, Int32(0))
+        # ---- main loop over the chunks of this split. Chunk c's rows were issued one step
+        # ahead and its slots two steps ahead, so neither latency is on the critical path.
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
-            stage = (c - c_begin) % 2
+            step = c - c_begin
+            stage = step % 2  # raw row buffer of chunk c
+            buf = step % SLOT_BUFFERS  # slot buffer of chunk c
             cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # chunk c landed; last step's readers are done
+            cute.arch.sync_threads()  # chunk c landed; c+1's slots are visible; last step's readers are done
             if c + 1 < c_end:
-                self._issue_gather(ctx, c + 1, 1 - stage)
-            self._dequantize(ctx, stage)
+                self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
+            cute.arch.cp_async_commit_group()
+            if c + 2 < c_end:
+                self._stage_slots(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
+            self._dequantize(ctx, stage, buf)
             cute.arch.sync_threads()
 
             # S_w = Q_w K_w^T over this warp's slice of the QK width
@@ -351,7 +369,7 @@ class SparseMlaPartialKernel:
                 for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                     col = tScS_mn[0, j][1]
                     s = acc_S_mn[r, j] * sm_scale_log2
-                    if sSlot[col, stage] < 0:
+                    if sSlot[col, buf] < 0:
                         s = -Float32.inf
                     acc_S_mn[r, j] = s
                 m_chunk = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
@@ -430,32 +448,47 @@ class SparseMlaPartialKernel:
 
     # ------------------------------------------------------------------ per-chunk stages
     @cute.jit
-    def _issue_gather(self, ctx: SimpleNamespace, c: Int32, stage: Int32):
-        """Start the cp.async gather of chunk ``c`` into raw stage ``stage``; record its slots."""
-        bn, nthr, tidx, sSlot = self.bn, self.nthr, ctx.tidx, ctx.sSlot
-        is_extra = c >= ctx.n_main_chunks
-        pos0 = c * bn
+    def _chunk_source(self, ctx: SimpleNamespace, c: Int32):
+        """Where chunk ``c``'s entries live: (first list position, index row address, length
+        limit, slots in the cache, page block size, block stride, cache base address)."""
+        pos0 = c * self.bn
         idx_row = ctx.main_idx_row
         limit = ctx.main_limit
         num_slots = ctx.main_num_slots
         page = ctx.main_page
         block_stride = ctx.main_block_stride
         base = ctx.main_base
-        if is_extra:
-            pos0 = (c - ctx.n_main_chunks) * bn
+        if c >= ctx.n_main_chunks:
+            pos0 = (c - ctx.n_main_chunks) * self.bn
             idx_row = ctx.extra_idx_row
             limit = ctx.extra_limit
             num_slots = ctx.extra_num_slots
             page = ctx.extra_page
             block_stride = ctx.extra_block_stride
             base = ctx.extra_base
+        return pos0, idx_row, limit, num_slots, page, block_stride, base
+
+    @cute.jit
+    def _stage_slots(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
+        """Threads 0..block_n-1 each read one index of chunk ``c`` and store its slot (-1: skip)."""
+        tidx, sSlot = ctx.tidx, ctx.sSlot  # locals: the DSL stages stores to names, not attributes
+        pos0, idx_row, limit, num_slots, _, _, _ = self._chunk_source(ctx, c)
+        if tidx < self.bn:
+            slot = self._entry_slot(idx_row, pos0 + tidx, limit, num_slots)
+            sSlot[tidx, buf] = slot
+
+    @cute.jit
+    def _issue_rows(self, ctx: SimpleNamespace, c: Int32, stage: Int32, buf: Int32):
+        """Start the cp.async gather of chunk ``c``'s rows and scales (slots from buffer ``buf``)."""
+        bn, nthr, tidx, sSlot = self.bn, self.nthr, ctx.tidx, ctx.sSlot
+        _, _, _, _, page, block_stride, base = self._chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
         pieces = ROW_BYTES // 16
         for i in cutlass.range_constexpr(bn * pieces // nthr):
             p = tidx + i * nthr
             e = p // pieces
             piece = p - e * pieces
-            slot = self._entry_slot(idx_row, pos0 + e, limit, num_slots)
+            slot = sSlot[e, buf]
             if slot >= 0:
                 blk = slot // page
                 off = slot - blk * page
@@ -469,8 +502,7 @@ class SparseMlaPartialKernel:
                 )
                 cute.copy(ctx.g2s_16, src, dst)
         if tidx < bn:
-            slot = self._entry_slot(idx_row, pos0 + tidx, limit, num_slots)
-            sSlot[tidx, stage] = slot
+            slot = sSlot[tidx, buf]
             if slot >= 0:
                 blk = slot // page
                 off = slot - blk * page
@@ -483,10 +515,9 @@ class SparseMlaPartialKernel:
                     cute.make_layout(8),
                 )
                 cute.copy(ctx.g2s_8, src, dst)
-        cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _dequantize(self, ctx: SimpleNamespace, stage: Int32):
+    def _dequantize(self, ctx: SimpleNamespace, stage: Int32, buf: Int32):
         """Dequantize a landed raw stage into the bf16 KV tile (invalid entries -> rows of 0)."""
         tXsKV, tXcKV, sSlot = ctx.tXsKV, ctx.tXcKV, ctx.sSlot
         stage_base = ctx.raw_base + stage * self.stage_bytes
@@ -494,7 +525,7 @@ class SparseMlaPartialKernel:
             row = tXcKV[(0, 0), i, 0][0]
             col = tXcKV[(0, 0), i, 0][1]
             dst = tXsKV[None, i, 0]
-            if sSlot[row, stage] < 0:
+            if sSlot[row, buf] < 0:
                 dst.fill(0.0)
             else:
                 if col < D_NOPE:

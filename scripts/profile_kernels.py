@@ -1,0 +1,43 @@
+"""Run a few decode calls per shape, for a profiler to attach to (ncu, compute-sanitizer).
+
+    ncu --clock-control none --metrics gpu__time_duration.sum python scripts/profile_kernels.py 1x16x128 64x128x512
+
+Each SHAPE is TxHxTOPK[+EXTRA]; caches and inputs as in scripts/bench.py (262,144 tokens).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dispatch import sparse_mla_decode  # noqa: E402
+from tests.dsv4_inputs import make_cache  # noqa: E402
+
+
+def main(argv=None) -> int:
+    shapes = (argv if argv is not None else sys.argv[1:]) or ["1x16x128"]
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache(4096, 64, device="cuda", gen=gen)
+    for spec in shapes:
+        T, H, rest = spec.split("x")
+        topk, _, extra = rest.partition("+")
+        T, H, topk, extra = int(T), int(H), int(topk), int(extra or 0)
+        q = torch.randn(T, H, 512, device="cuda").bfloat16()
+        idx = torch.randint(0, 4096 * 64, (T, topk), device="cuda", dtype=torch.int32)
+        kw = {}
+        if extra:
+            kw = dict(extra_kv_cache=cache,
+                      extra_indices=torch.randint(0, 4096 * 64, (T, extra), device="cuda", dtype=torch.int32))
+        for _ in range(3):
+            sparse_mla_decode(q, cache, idx, **kw)
+        torch.cuda.synchronize()
+        print(spec, "done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
