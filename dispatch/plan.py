@@ -23,7 +23,7 @@ from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 from . import loader
 from .launcher import BoundKernel, argument_kinds
 from .splits import plan_splits
-from .variants import variants_for
+from .variants import heads_per_cta_for, variants_for
 
 _LOG2_E = math.log2(math.e)
 _INT32_MAX = 2**31 - 1
@@ -46,7 +46,7 @@ class DecodePlan:
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk,
-                                 heads_per_cta=PartialConfig.heads_per_cta, block_n=PartialConfig.block_n,
+                                 heads_per_cta=heads_per_cta_for(call.num_heads), block_n=PartialConfig.block_n,
                                  num_sms=call.num_sms)
         self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits)
         self.final = len(self.variants) == 1

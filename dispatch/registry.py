@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from .metadata import DecodeMetadata
-from .variants import DEFAULT_PRECISION, KernelVariant, variants_for
+from .variants import DEFAULT_PRECISION, KernelVariant, heads_per_cta_for, variants_for
 
 PRECISIONS_SERVED = (DEFAULT_PRECISION,)
 
@@ -69,7 +69,7 @@ def registry_calls():
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
                                 has_extra_topk_length=has_extra_len, has_sink=has_sink)
             plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk,
-                               heads_per_cta=PartialConfig.heads_per_cta, block_n=PartialConfig.block_n,
+                               heads_per_cta=heads_per_cta_for(shape.num_heads), block_n=PartialConfig.block_n,
                                num_sms=sms)
             yield md, plan.num_splits
 

@@ -4,8 +4,8 @@ A variant is a kernel configuration plus a target arch. Everything else about a 
 (num_tokens, num_heads, topk, extra_topk, page block sizes, strides, the split of the work)
 is a runtime argument, so the set of variants is small and closed:
 
-    partial: precision x has_topk_length x has_extra_topk_length x
-             (split mode | final mode without sink | final mode with sink)
+    partial: precision x head_groups (1 for <= 16 heads, else 2) x has_topk_length x
+             has_extra_topk_length x (split mode | final mode without sink | final mode with sink)
     merge:   has_sink
 
 A call whose work needs one split runs the partial kernel in final mode (it writes out
@@ -42,11 +42,23 @@ class KernelVariant:
         return f"{self.config.name}_{self.arch}"
 
 
+def head_groups_for(num_heads: int) -> int:
+    """16-head groups per CTA: two once there are more than 16 heads, so that each gathered and
+    dequantized row serves 32 heads (measured: see BENCHMARKS.md); one otherwise, so that 16 or
+    fewer heads do not pay for 32."""
+    return 2 if num_heads > 16 else 1
+
+
+def heads_per_cta_for(num_heads: int) -> int:
+    return PartialConfig(head_groups=head_groups_for(num_heads)).heads_per_cta
+
+
 def variants_for(md: DecodeMetadata, arch: str, num_splits: int,
                  precision: str = DEFAULT_PRECISION) -> tuple[KernelVariant, ...]:
     """The variants to launch, in order, for the call described by ``md`` split ``num_splits`` ways."""
     final = num_splits == 1
     partial = PartialConfig(
+        head_groups=head_groups_for(md.num_heads),
         has_topk_length=md.has_topk_length,
         has_extra_topk_length=md.has_extra_topk_length,
         final_output=final,
@@ -64,9 +76,9 @@ _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sin
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``."""
     out = [
-        KernelVariant(PartialConfig(has_topk_length=a, has_extra_topk_length=b, final_output=f, has_sink=s,
-                                    precision=p), arch)
-        for p, a, b, (f, s) in itertools.product(PRECISIONS, (False, True), (False, True), _MODES)
+        KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
+                                    has_sink=s, precision=p), arch)
+        for p, g, a, b, (f, s) in itertools.product(PRECISIONS, (1, 2), (False, True), (False, True), _MODES)
     ]
     out += [KernelVariant(MergeConfig(has_sink=s), arch) for s in (False, True)]
     return out

@@ -20,7 +20,7 @@ def test_variant_keys_follow_the_metadata():
         md = DecodeMetadata(num_tokens=3, num_heads=8, d_qk=512, topk=192, page_block_size=64, extra_topk=512,
                             has_topk_length=a, has_extra_topk_length=b, has_sink=s)
         partial, merge = variants_for(md, "sm_120a", num_splits=3)
-        assert partial.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b)
+        assert partial.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b)  # 8 heads: one group
         assert merge.config == MergeConfig(has_sink=s)
         (final,) = variants_for(md, "sm_120a", num_splits=1)  # one split: no merge, sink in the epilogue
         assert final.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b, final_output=True,
@@ -30,12 +30,14 @@ def test_variant_keys_follow_the_metadata():
 
 
 def test_shapes_do_not_reach_the_key():
-    """num_tokens, num_heads, topk, extra_topk and page sizes are runtime values: one variant serves all."""
-    keys = set()
-    for T, H, topk, extra, page in itertools.product((1, 65), (1, 8, 128), (1, 100, 1152), (0, 8192), (2, 64, 256)):
+    """num_tokens, topk, extra_topk and page sizes are runtime values; num_heads reaches the key only
+    through the number of 16-head groups per CTA (1 up to 16 heads, 2 above)."""
+    keys = {}
+    for T, H, topk, extra, page in itertools.product((1, 65), (1, 8, 16, 17, 64, 128), (1, 100, 1152), (0, 8192),
+                                                    (2, 64, 256)):
         md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page, extra_topk=extra)
-        keys.add((variants_for(md, "sm_120a", 1), variants_for(md, "sm_120a", 4)))
-    assert len(keys) == 1
+        keys.setdefault(H > 16, set()).add((variants_for(md, "sm_120a", 1), variants_for(md, "sm_120a", 4)))
+    assert len(keys[False]) == 1 and len(keys[True]) == 1 and keys[False] != keys[True]
 
 
 def test_variant_names_hold_every_code_generating_field():

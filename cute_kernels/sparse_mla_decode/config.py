@@ -19,9 +19,13 @@ PRECISIONS = ("bf16",)
 class PartialConfig:
     """Code-generating parameters of the split-K partial kernel.
 
-    heads_per_cta: rows of the MMA M tile (query heads one CTA covers; rows >= H are masked).
+    head_groups: 16-head groups one CTA covers (1 or 2). Each group has its own 4 warps and
+        runs its own MMAs and softmax; the gathered and dequantized rows are shared, so a
+        group of heads past the first costs no extra row traffic.
+    heads_per_group: rows of the MMA M tile (heads >= H are masked, never read).
     block_n: selected entries gathered and processed per step (one chunk).
-    num_warps: each warp owns a 512/num_warps slice of the QK width and of the output.
+    warps_per_group: warp w of a group owns a 512/warps_per_group slice of the QK width and
+        of the output.
     has_topk_length / has_extra_topk_length: whether the length tensors are read.
     final_output: write the bf16 output and natural-log lse directly (one split, no merge)
         instead of f32 partials.
@@ -34,10 +38,19 @@ class PartialConfig:
     final_output: bool = False
     has_sink: bool = False
     precision: str = "bf16"
-    heads_per_cta: int = 16
+    head_groups: int = 1
+    heads_per_group: int = 16
     block_n: int = 32
-    num_warps: int = 4
+    warps_per_group: int = 4
     num_stages: int = 2
+
+    @property
+    def heads_per_cta(self) -> int:
+        return self.heads_per_group * self.head_groups
+
+    @property
+    def num_warps(self) -> int:
+        return self.warps_per_group * self.head_groups
 
     @property
     def num_threads(self) -> int:
@@ -51,7 +64,7 @@ class PartialConfig:
     def smem_bytes(self) -> int:
         kv_tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
         raw = self.num_stages * self.stage_bytes
-        s_exchange = self.num_warps * self.heads_per_cta * self.block_n * 4
+        s_exchange = self.num_warps * self.heads_per_group * self.block_n * 4  # per group: its warps' S tiles
         slots = 3 * self.block_n * 4  # partial.SLOT_BUFFERS
         return kv_tile + raw + s_exchange + slots + 1024  # + alignment slack
 
@@ -61,14 +74,14 @@ class PartialConfig:
             raise ValueError("has_sink needs final_output (the merge kernel applies the sink otherwise)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
-        if self.heads_per_cta != 16:
-            raise ValueError("heads_per_cta must be 16 (one m16 MMA tile)")
+        if self.heads_per_group != 16:
+            raise ValueError("heads_per_group must be 16 (one m16 MMA tile)")
+        if self.head_groups not in (1, 2) or self.heads_per_cta > self.block_n:
+            raise ValueError(f"head_groups {self.head_groups} must be 1 or 2 (Q is staged in the {self.block_n}-row KV tile)")
         if self.block_n % 16 != 0 or not 16 <= self.block_n <= 64:
             raise ValueError(f"block_n {self.block_n} must be 16, 32, 48 or 64")
-        if D_QK % (self.num_warps * 64) != 0:
-            raise ValueError(f"num_warps {self.num_warps} must split {D_QK} into 64-wide slices")
-        if self.block_n * (ROW_BYTES // 16) % self.num_threads != 0:
-            raise ValueError("block_n * 36 row pieces must be a multiple of the thread count")
+        if D_QK % (self.warps_per_group * 64) != 0:
+            raise ValueError(f"warps_per_group {self.warps_per_group} must split {D_QK} into 64-wide slices")
         if self.block_n * (D_QK // 8) % self.num_threads != 0:
             raise ValueError("block_n * 64 must be a multiple of the thread count")
         if self.num_stages != 2:
@@ -80,8 +93,8 @@ class PartialConfig:
     def name(self) -> str:
         """A name that holds every code-generating field (used for kernels and caches)."""
         return (
-            f"sparse_mla_partial_{self.precision}_h{self.heads_per_cta}_n{self.block_n}"
-            f"_w{self.num_warps}_s{self.num_stages}"
+            f"sparse_mla_partial_{self.precision}_g{self.head_groups}x{self.heads_per_group}_n{self.block_n}"
+            f"_w{self.warps_per_group}_s{self.num_stages}"
             f"_len{int(self.has_topk_length)}{int(self.has_extra_topk_length)}"
             f"_final{int(self.final_output)}_sink{int(self.has_sink)}"
         )

@@ -61,11 +61,13 @@ class SparseMlaPartialKernel:
     def __init__(self, cfg: PartialConfig):
         cfg.check()
         self.cfg = cfg
-        self.hb = cfg.heads_per_cta
+        self.hb = cfg.heads_per_cta  # heads per CTA (all groups)
+        self.hg = cfg.heads_per_group  # heads per group: the MMA M tile
+        self.groups = cfg.head_groups
+        self.wpg = cfg.warps_per_group
         self.bn = cfg.block_n
         self.nthr = cfg.num_threads
-        self.nwarps = cfg.num_warps
-        self.wslice = D_QK // cfg.num_warps  # QK/output columns per warp
+        self.wslice = D_QK // cfg.warps_per_group  # QK/output columns per warp
         self.stage_bytes = cfg.stage_bytes
         self.scale_off = cfg.block_n * ROW_BYTES  # scales follow the rows in a stage
 
@@ -212,12 +214,15 @@ class SparseMlaPartialKernel:
         tiled_mma: cute.TiledMma,
         tiled_store: cute.TiledCopy,
     ):
-        bn, hb, nthr = self.bn, self.hb, self.nthr
+        bn, hb, hg, nthr = self.bn, self.hb, self.hg, self.nthr
         tidx, _, _ = cute.arch.thread_idx()
         token, head_block, split = cute.arch.block_idx()
         warp_id = tidx // 32
         lane = tidx % 32
+        group = warp_id // self.wpg  # which 16 heads of the CTA this warp computes
+        wq = warp_id % self.wpg  # which 128-wide slice of QK and of the output
         head0 = head_block * hb
+        ghead0 = head0 + group * hg  # first head of this warp's group
 
         # ---- the chunks of this split, and where each source's lists live
         n_main_chunks = (main_topk + bn - 1) // bn
@@ -239,7 +244,9 @@ class SparseMlaPartialKernel:
         sKV = smem.allocate_tensor(BFloat16, kv_layout, byte_alignment=1024)
         sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
         sS = smem.allocate_tensor(
-            Float32, cute.make_layout((hb, bn, self.nwarps), stride=(bn, 1, hb * bn)), byte_alignment=16
+            Float32,
+            cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
+            byte_alignment=16,
         )
         sSlot = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
         sQ = cute.make_tensor(sKV.iterator, q_layout)  # Q is staged in the KV tile first
@@ -287,15 +294,15 @@ class SparseMlaPartialKernel:
 
         # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
         thr_mma = tiled_mma.get_slice(lane)
-        sQ_w = cute.local_tile(sQ, (hb, self.wslice), (0, warp_id))
-        sK_w = cute.local_tile(sKV, (bn, self.wslice), (0, warp_id))
+        sQ_w = cute.local_tile(sQ, (hg, self.wslice), (group, wq))
+        sK_w = cute.local_tile(sKV, (bn, self.wslice), (0, wq))
         sVt = cute.composition(sKV, cute.make_layout((D_QK, bn), stride=(bn, 1)))
-        sVt_w = cute.local_tile(sVt, (self.wslice, bn), (warp_id, 0))
+        sVt_w = cute.local_tile(sVt, (self.wslice, bn), (wq, 0))
 
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_w))
         tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
         tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hb, self.wslice)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, self.wslice)), Float32)
         acc_O.fill(0.0)
 
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
@@ -316,8 +323,8 @@ class SparseMlaPartialKernel:
         cute.arch.sync_threads()  # the KV tile is reused from here on
 
         # S exchange views and the (row, column) of each accumulator element
-        tSsS = [thr_mma.partition_C(sS[None, None, w]) for w in range(self.nwarps)]
-        tScS = thr_mma.partition_C(cute.make_identity_tensor((hb, bn)))
+        tSsS = [thr_mma.partition_C(sS[None, None, w, group]) for w in range(self.wpg)]
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((hg, bn)))
         row_max = cute.make_rmem_tensor(2, Float32)  # rows g and g+8 of this thread
         row_sum = cute.make_rmem_tensor(2, Float32)
         row_max.fill(-Float32.inf)
@@ -347,18 +354,18 @@ class SparseMlaPartialKernel:
             cute.arch.sync_threads()
 
             # S_w = Q_w K_w^T over this warp's slice of the QK width
-            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hb, bn)), Float32)
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, bn)), Float32)
             acc_S.fill(0.0)
             for k in cutlass.range_constexpr(cute.size(tSsK, mode=[2])):
                 cute.copy(ldsm, tSsK[None, None, k], tSrK_v[None, None, k])
                 cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
-            for w in cutlass.range_constexpr(self.nwarps):
-                if warp_id == w:
+            for w in cutlass.range_constexpr(self.wpg):
+                if wq == w:
                     cute.autovec_copy(acc_S, tSsS[w])
             cute.arch.sync_threads()
             # full S = sum of the warps' slices, in a fixed order (identical in every warp)
             acc_S.store(tSsS[0].load())
-            for w in cutlass.range_constexpr(1, self.nwarps):
+            for w in cutlass.range_constexpr(1, self.wpg):
                 acc_S.store(acc_S.load() + tSsS[w].load())
 
             # online softmax in log2 units; invalid entries -> -inf
@@ -397,54 +404,54 @@ class SparseMlaPartialKernel:
         # final mode (one split): out = O * gate (bf16) and the natural-log lse, sink applied.
         final = self.cfg.final_output
         acc_O_mn = self._mn_view(acc_O)
-        tOcO_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((hb, self.wslice))))
+        tOcO_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((hg, self.wslice))))
         o_row0 = (Int64(token) * num_splits + split) * num_heads
         if const_expr(final):
             gO = cute.make_tensor(
                 cute.make_ptr(
                     BFloat16,
-                    out.toint() + (Int64(token) * out_stride_t + Int64(head0) * out_stride_h + warp_id * self.wslice) * 2,
+                    out.toint() + (Int64(token) * out_stride_t + Int64(ghead0) * out_stride_h + wq * self.wslice) * 2,
                     cute.AddressSpace.gmem, assumed_align=4,
                 ),
-                cute.make_layout((hb, self.wslice), stride=(out_stride_h, 1)),
+                cute.make_layout((hg, self.wslice), stride=(out_stride_h, 1)),
             )
         else:
             gO = cute.make_tensor(
                 cute.make_ptr(
-                    Float32, o_part.toint() + ((o_row0 + head0) * D_QK + warp_id * self.wslice) * 4,
+                    Float32, o_part.toint() + ((o_row0 + ghead0) * D_QK + wq * self.wslice) * 4,
                     cute.AddressSpace.gmem, assumed_align=16,
                 ),
-                cute.make_layout((hb, self.wslice), stride=(D_QK, 1)),
+                cute.make_layout((hg, self.wslice), stride=(D_QK, 1)),
             )
         tOgO_mn = self._mn_view(thr_mma.partition_C(gO))
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
             row = tOcO_mn[r, 0][0]
-            if head0 + row < num_heads:
+            if ghead0 + row < num_heads:
                 gate = Float32(0.0)
                 lse2 = -Float32.inf
                 if total > 0.0:
                     gate = 1.0 / total
                     lse2 = row_max[r] + cute.math.log2(total, fastmath=False)
                     if const_expr(final and self.cfg.has_sink):
-                        gate = gate * sink_gate(load_f32(attn_sink.toint() + Int64(head0 + row) * 4), lse2)
+                        gate = gate * sink_gate(load_f32(attn_sink.toint() + Int64(ghead0 + row) * 4), lse2)
                 for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                     if const_expr(final):
                         tOgO_mn[r, j] = BFloat16(acc_O_mn[r, j] * gate)
                     else:
                         tOgO_mn[r, j] = acc_O_mn[r, j] * gate
-                if warp_id == 0:
+                if wq == 0:  # one warp per group writes its heads' lse
                     if lane % 4 == 0:
                         if const_expr(final):
                             lse_nat = Float32.inf
                             if total > 0.0:
                                 lse_nat = lse2 * LN_2
                             store_f32(
-                                lse.toint() + (Int64(token) * lse_stride_t + Int64(head0 + row) * lse_stride_h) * 4,
+                                lse.toint() + (Int64(token) * lse_stride_t + Int64(ghead0 + row) * lse_stride_h) * 4,
                                 lse_nat,
                             )
                         else:
-                            store_f32(lse_part.toint() + (o_row0 + head0 + row) * 4, lse2)
+                            store_f32(lse_part.toint() + (o_row0 + ghead0 + row) * 4, lse2)
 
     # ------------------------------------------------------------------ per-chunk stages
     @cute.jit
@@ -484,11 +491,14 @@ class SparseMlaPartialKernel:
         _, _, _, _, page, block_stride, base = self._chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
         pieces = ROW_BYTES // 16
-        for i in cutlass.range_constexpr(bn * pieces // nthr):
+        total = bn * pieces  # 16-byte pieces of the chunk's rows, spread over the threads
+        for i in cutlass.range_constexpr((total + nthr - 1) // nthr):
             p = tidx + i * nthr
             e = p // pieces
             piece = p - e * pieces
-            slot = sSlot[e, buf]
+            slot = Int32(-1)
+            if p < total:
+                slot = sSlot[e, buf]
             if slot >= 0:
                 blk = slot // page
                 off = slot - blk * page
