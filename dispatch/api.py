@@ -316,6 +316,7 @@ def sparse_mla_decode(
     extra_topk_length: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    lse_convention: str = "natural",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 sparse MLA decode over a paged FP8 cache in the "MODEL1" layout.
 
@@ -333,12 +334,14 @@ def sparse_mla_decode(
         extra_kv_cache, extra_indices, extra_topk_length: an optional second (compressed)
             cache with its own page size and list; main and extra entries form ONE softmax.
         out, lse: optional outputs, written in place.
+        lse_convention: ``"natural"`` (the default, below) or ``"log2_with_sink"``
+            (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's; see ``dispatch.adapters``).
 
     Returns:
         ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``, ``lse`` float32 ``[T, H]`` (leading dims
         as ``q``). With s_j = sm_scale * <q, k_j> over the valid entries j:
-        ``lse = ln(sum_j exp(s_j))`` (natural log, the sink NOT folded in; the adapters in
-        ``dispatch.adapters`` convert to other libraries' conventions explicitly) and
+        ``lse = ln(sum_j exp(s_j))`` (natural log, the sink NOT folded in, with the default
+        ``lse_convention``) and
         ``out = sum_j softmax(s)_j v_j``, times ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``
         when a sink is given. k_j and v_j are the same dequantized 512-dim latent.
         A token with no valid entry gets ``out = 0`` and ``lse = +inf``.
@@ -349,6 +352,10 @@ def sparse_mla_decode(
     """
     from .plan import DecodePlan
 
+    if lse_convention not in ("natural", "log2_with_sink"):
+        raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
+                                                extra_topk_length, attn_sink),
+                                 f"lse_convention must be 'natural' or 'log2_with_sink', got {lse_convention!r}")
     call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                          extra_topk_length=extra_topk_length, out=out, lse=lse)
@@ -360,7 +367,12 @@ def sparse_mla_decode(
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = DecodePlan(call)
-    return plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=plan.new_scratch(),
-                    sm_scale=call.sm_scale, topk_length=call.topk_length, attn_sink=call.attn_sink,
-                    extra_kv_cache=call.extra_kv_cache, extra_indices=call.extra_indices,
-                    extra_topk_length=call.extra_topk_length)
+    out, lse = plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=plan.new_scratch(),
+                        sm_scale=call.sm_scale, topk_length=call.topk_length, attn_sink=call.attn_sink,
+                        extra_kv_cache=call.extra_kv_cache, extra_indices=call.extra_indices,
+                        extra_topk_length=call.extra_topk_length)
+    if lse_convention != "natural":
+        from .adapters import convert_lse
+
+        lse.copy_(convert_lse(lse, attn_sink, lse_convention))
+    return out, lse

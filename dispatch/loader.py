@@ -170,6 +170,9 @@ def _load_aot(variant: KernelVariant):
             continue
         entry = manifest["entries"].get(_entry_key(variant))
         if entry is None:
+            archs = sorted({e.get("fingerprint", {}).get("arch") for e in manifest["entries"].values()} - {None})
+            _report_once(f"dsv4_mla: the AOT manifest in {directory} (archs: {', '.join(archs) or 'none'}) has no "
+                         f"entry for {variant.name}")
             continue
         bad = mismatches(expected, entry.get("fingerprint", {}))
         if bad:

@@ -126,6 +126,7 @@ BAD = [
     ("out shape", {}, dict(out=torch.empty(2, 16, 448, dtype=torch.bfloat16)), "out has shape [2, 16, 448]"),
     ("lse dtype", {}, dict(lse=torch.empty(2, 16, dtype=torch.bfloat16)), "lse must be float32"),
     ("lse shape", {}, dict(lse=torch.empty(16, 2)), "lse has shape [16, 2], expected [2, 16]"),
+    ("lse convention", {}, dict(lse_convention="log10"), "lse_convention must be 'natural' or 'log2_with_sink'"),
     ("valid but on cpu", {}, {}, "the kernels run on CUDA devices only"),
 ]
 

@@ -207,3 +207,13 @@ def test_soak_10000_calls():
     torch.cuda.synchronize()
     del out, lse
     assert torch.cuda.memory_allocated() <= base, "device memory grew over the soak"
+
+
+def test_core_api_lse_convention_is_explicit():
+    q, cache, idx, kw = _inputs(T=3)
+    out, lse = sparse_mla_decode(q, cache, idx, **kw)
+    out2, lse2 = sparse_mla_decode(q, cache, idx, lse_convention="log2_with_sink", **kw)
+    assert torch.equal(out, out2)
+    from dispatch.adapters import convert_lse
+
+    assert torch.equal(lse2, convert_lse(lse, kw["attn_sink"], "log2_with_sink"))
