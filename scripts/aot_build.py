@@ -47,13 +47,13 @@ def _build_one(variant: KernelVariant, out_dir: str) -> dict:
     """Compile, check and export one variant (runs in a worker process)."""
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_cubin_"))
     from cute_kernels.sass_check import inspect_cubin
-    from cute_kernels.sparse_mla_decode.config import SMEM_LIMIT_BYTES, PartialConfig
+    from cute_kernels.sparse_mla_decode.config import SMEM_LIMIT_BYTES
     from dispatch.loader import compile_variant, export_variant
 
     t0 = time.time()
     compiled = compile_variant(variant, keep_cubin=True)
     (rep,) = inspect_cubin(compiled.artifacts.CUBIN)
-    dynamic = variant.config.smem_bytes() if isinstance(variant.config, PartialConfig) else 0
+    dynamic = variant.config.smem_bytes()  # what the kernel's SmemAllocator plan asks for
     resources = {
         "registers": rep.registers, "static_smem_bytes": rep.static_smem_bytes, "dynamic_smem_bytes": dynamic,
         "local_bytes": rep.local_bytes, "stack_bytes": rep.stack_bytes,

@@ -107,6 +107,9 @@ class MergeConfig:
     has_sink: bool = False
     num_threads: int = 128  # each thread owns D_V / num_threads output dims
 
+    def smem_bytes(self) -> int:
+        return 4 * (self.num_threads // 32)  # one float per warp: the block-wide max over splits
+
     def check(self) -> None:
         if D_QK % self.num_threads != 0 or (D_QK // self.num_threads) % 4 != 0:
             raise ValueError(f"num_threads {self.num_threads} must split {D_QK} into groups of 4")
