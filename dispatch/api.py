@@ -184,10 +184,9 @@ class ValidatedCall:
                 "extra_indices": ptr(self.extra_indices), "extra_topk_length": ptr(self.extra_topk_length)}
 
     def plan_key(self) -> tuple:
-        sig = tuple(None if getattr(self, n) is None else
-                    (tuple(getattr(self, n).shape), tuple(getattr(self, n).stride()), getattr(self, n).dtype)
-                    for n in self.TENSORS)
-        return (self.device_index,) + sig
+        from .plan import layout_signature
+
+        return (self.device_index,) + tuple(layout_signature(getattr(self, n)) for n in self.TENSORS)
 
 
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
@@ -228,7 +227,8 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     if has_extra:
         extra = check.cache(extra_kv_cache, "extra_kv_cache", device)
         extra_idx = _indices(extra_indices, "extra_indices", lead, num_tokens, device, check, allow_empty=True)
-    lens = None if topk_length is None else _lengths(topk_length, "topk_length", num_tokens, lead, device, check)
+    if topk_length is not None:
+        _lengths(topk_length, "topk_length", num_tokens, lead, device, check)
     extra_lens = (None if extra_topk_length is None
                   else _lengths(extra_topk_length, "extra_topk_length", num_tokens, lead, device, check))
 
@@ -367,10 +367,9 @@ def sparse_mla_decode(
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = DecodePlan(call)
-    out, lse = plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=plan.new_scratch(),
-                        sm_scale=call.sm_scale, topk_length=call.topk_length, attn_sink=call.attn_sink,
-                        extra_kv_cache=call.extra_kv_cache, extra_indices=call.extra_indices,
-                        extra_topk_length=call.extra_topk_length)
+    scratch = plan.new_scratch()
+    plan.launch(call.pointers(), call.sm_scale, 0 if scratch is None else scratch.data_ptr())
+    out, lse = call.out, call.lse
     if lse_convention != "natural":
         from .adapters import convert_lse
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from .variants import KernelVariant
 
-PROJECT = "dsv4-sparse-mla"
 PROJECT_VERSION = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
 FIELDS = ("name", "arch", "dsl_version", "dsl_libs", "project_version", "source_hash")
 

@@ -33,7 +33,8 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
-def _signature(t):
+def layout_signature(t):
+    """What a plan fixes about a tensor: shape, strides and dtype (None for an absent input)."""
     return None if t is None else (t.shape, t.stride(), t.dtype)
 
 
@@ -57,7 +58,7 @@ class DecodePlan:
         if self.scratch_bytes:
             self.scratch_bytes += SCRATCH_ALIGN  # room to align the start
         # the exact layout every run must present
-        self._expect = {name: _signature(getattr(call, name)) for name in call.TENSORS}
+        self._expect = {name: layout_signature(getattr(call, name)) for name in call.TENSORS}
         self._page, self._extra_page = call.main.page_block_size, call.extra.page_block_size
         self._stride_vals = call.strides
         # the kernels, bound with their packed arguments
@@ -149,13 +150,18 @@ class DecodePlan:
             sm_scale = 1.0 / math.sqrt(D_QK)
         elif not math.isfinite(sm_scale):
             raise ValueError(f"DecodePlan.run: sm_scale must be finite, got {sm_scale!r}")
-        base = 0
-        if self.scratch_bytes:
-            if (scratch is None or not scratch.is_contiguous() or scratch.get_device() != self.device_index
-                    or scratch.numel() * scratch.element_size() < self.scratch_bytes):
-                raise ValueError(f"DecodePlan.run: scratch must be a contiguous buffer of at least "
-                                 f"{self.scratch_bytes} bytes on cuda:{self.device_index} (plan.new_scratch())")
-            base = -(-scratch.data_ptr() // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        if self.scratch_bytes and (
+                scratch is None or not scratch.is_contiguous() or scratch.get_device() != self.device_index
+                or scratch.numel() * scratch.element_size() < self.scratch_bytes):
+            raise ValueError(f"DecodePlan.run: scratch must be a contiguous buffer of at least "
+                             f"{self.scratch_bytes} bytes on cuda:{self.device_index} (plan.new_scratch())")
+        self.launch(p, float(sm_scale), scratch.data_ptr() if self.scratch_bytes else 0)
+        return out, lse
+
+    def launch(self, p: dict, sm_scale: float, scratch_ptr: int) -> None:
+        """Write the changing arguments and launch. ``p`` holds the addresses of inputs whose
+        layout is already checked (``run``, or ``validate_call`` for the one-shot API)."""
+        base = -(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN if self.scratch_bytes else 0
         stream = _raw_stream(self.device_index)
         with self._lock:
             self._partial.write_at(self._partial_dynamic, self._partial_values(p, float(sm_scale), base, stream))
@@ -163,4 +169,3 @@ class DecodePlan:
             if self._merge is not None:
                 self._merge.write_at(self._merge_dynamic, self._merge_values(p, base, stream))
                 self._merge.launch()
-        return out, lse

@@ -29,12 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cute_kernels.arch import DEPLOYMENT_ARCHS  # noqa: E402
 from dispatch.fingerprint import fingerprint, mismatches  # noqa: E402
 from dispatch.loader import MANIFEST, MANIFEST_FORMAT, PACKAGE_AOT_DIR, read_manifest, sha256_file  # noqa: E402
 from dispatch.registry import registry_variants  # noqa: E402
 from dispatch.variants import KernelVariant  # noqa: E402
 
-SM120_ARCHS = ("sm_120a", "sm_121a")
 
 
 def planned_variants(archs, only: str | None = None) -> list[KernelVariant]:
@@ -60,7 +60,7 @@ def _build_one(variant: KernelVariant, out_dir: str) -> dict:
         "local_memory_instructions": rep.local_memory_instructions, "mma": rep.mma_counts,
     }
     problems = []
-    if variant.arch in SM120_ARCHS:
+    if variant.arch in DEPLOYMENT_ARCHS:  # the SM120 targets: their binaries are what ships
         if rep.local_bytes or rep.stack_bytes or rep.local_memory_instructions:
             problems.append("spills to local memory")
         if rep.static_smem_bytes + dynamic > SMEM_LIMIT_BYTES:

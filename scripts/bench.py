@@ -53,7 +53,6 @@ def copy_ceiling_gbs() -> float:
     src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    del src, dst
     return 2 * (4 << 30) / (ms * 1e-3) / 1e9
 
 

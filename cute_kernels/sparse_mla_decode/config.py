@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .layout import D_QK, ROW_BYTES, SCALE_BYTES
 
 SMEM_LIMIT_BYTES = 101376  # 99 KB: the most an SM120 CTA may use
+SLOT_BUFFERS = 3  # the partial kernel stages each chunk's slots two chunks ahead of their use
 PRECISIONS = ("bf16",)
 
 
@@ -65,7 +66,7 @@ class PartialConfig:
         kv_tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
         raw = self.num_stages * self.stage_bytes
         s_exchange = self.num_warps * self.heads_per_group * self.block_n * 4  # per group: its warps' S tiles
-        slots = 3 * self.block_n * 4  # partial.SLOT_BUFFERS
+        slots = SLOT_BUFFERS * self.block_n * 4
         return kv_tile + raw + s_exchange + slots + 1024  # + alignment slack
 
     def check(self) -> None:

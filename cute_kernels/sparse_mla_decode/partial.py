@@ -42,11 +42,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
-from .config import PartialConfig
+from .config import SLOT_BUFFERS, PartialConfig
 from .device_utils import LN_2, load_f32, load_i32, sink_gate, store_f32
-from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE, UE8M0_BIAS
+from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
 
-SLOT_BUFFERS = 3  # slots are staged two chunks ahead of their use
 
 
 
@@ -214,7 +213,7 @@ class SparseMlaPartialKernel:
         tiled_mma: cute.TiledMma,
         tiled_store: cute.TiledCopy,
     ):
-        bn, hb, hg, nthr = self.bn, self.hb, self.hg, self.nthr
+        bn, hb, hg = self.bn, self.hb, self.hg
         tidx, _, _ = cute.arch.thread_idx()
         token, head_block, split = cute.arch.block_idx()
         warp_id = tidx // 32
