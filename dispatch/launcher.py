@@ -1,9 +1,10 @@
 """Launch a compiled kernel with its C arguments packed once and updated in place.
 
 The DSL's generic call path marshals every argument on every call (tens of microseconds
-for the ~45 arguments of the partial kernel). A ``BoundKernel`` instead keeps one ctypes
-slot per argument and the packed argument array of the host entry point alive; a launch
-writes the new values into the slots and calls the entry point. At construction it checks
+for the ~35 arguments of the partial kernel). A ``BoundKernel`` instead keeps one 8-byte
+word per argument and the packed argument array of the host entry point alive; a caller
+writes the few values that change into the words (``words``/``floats``, plain memoryview
+stores) and ``launch`` calls the entry point. At construction it checks
 against the DSL's own marshalling of the same arguments, byte for byte, that every slot
 holds what the generic path would pass, so a change of the DSL's calling convention fails
 loudly here instead of launching with wrong arguments (nvidia-cutlass-dsl is pinned).
@@ -60,7 +61,13 @@ class BoundKernel:
         if len(kinds) != len(example_values):
             raise ValueError("one example value per kernel argument is needed")
         self._executor = compiled.to(device_index)
-        self._slots = [_CTYPE[k[0]]() for k in kinds]
+        # one 8-byte word per argument; a slot is a ctypes view of its word (an i32 or f32
+        # argument is the word's low half: little-endian)
+        self._storage = (ctypes.c_int64 * len(kinds))()
+        self._slots = [_CTYPE[k[0]].from_buffer(self._storage, 8 * i) for i, k in enumerate(kinds)]
+        raw = memoryview(self._storage).cast("B")
+        self.words = raw.cast("q")  # words[i] = v sets argument i (pointer, i64 or i32) for the next launch
+        self.floats = raw.cast("f")  # floats[2 * i] = x sets f32 argument i
         self.write(example_values)
         generic, keep_alive = self._executor.generate_execution_args(
             *[_generic_arg(k, v) for k, v in zip(kinds, example_values)]
@@ -88,12 +95,6 @@ class BoundKernel:
     def write(self, values: list) -> None:
         for slot, v in zip(self._slots, values):
             slot.value = v
-
-    def write_at(self, positions: list[int], values: list) -> None:
-        """Write only ``values[i]`` for ``i`` in ``positions`` (the others are unchanged)."""
-        slots = self._slots
-        for i in positions:
-            slots[i].value = values[i]
 
     def launch(self) -> None:
         self._capi(self._packed)

@@ -26,7 +26,7 @@ from .splits import plan_splits
 from .variants import heads_per_cta_for, variants_for
 
 _LOG2_E = math.log2(math.e)
-_INT32_MAX = 2**31 - 1
+_DEFAULT_SM_SCALE = 1.0 / math.sqrt(D_QK)
 SCRATCH_ALIGN = 256
 # the current stream's raw handle: torch's fast accessor where the build has it (CUDA builds do)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -36,6 +36,27 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 def layout_signature(t):
     """What a plan fixes about a tensor: shape, strides and dtype (None for an absent input)."""
     return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+class Bind:
+    """A kernel argument that changes per call: the address (or value) ``key`` plus ``offset``."""
+
+    __slots__ = ("key", "offset")
+
+    def __init__(self, key: str, offset: int = 0):
+        self.key, self.offset = key, offset
+
+    def resolve(self, values: dict):
+        return values[self.key] + self.offset
+
+
+# run()'s tensor arguments, in its signature order: (argument name, address key in the bindings)
+_RUN_TENSORS = (("q", "q"), ("kv_cache", "main"), ("indices", "indices"), ("topk_length", "topk_length"),
+                ("attn_sink", "attn_sink"), ("out", "out"), ("lse", "lse"), ("extra_kv_cache", "extra"),
+                ("extra_indices", "extra_indices"), ("extra_topk_length", "extra_topk_length"))
+# every per-call value a Bind can name, by its position in the list run() fills
+_VALUE_KEYS = tuple(key for _, key in _RUN_TENSORS) + ("sm_scale_log2", "scratch", "stream")
+_POSITION = {key: i for i, key in enumerate(_VALUE_KEYS)}
 
 
 class DecodePlan:
@@ -57,59 +78,65 @@ class DecodePlan:
         self.scratch_bytes = self._o_part_bytes + lse_part_bytes
         if self.scratch_bytes:
             self.scratch_bytes += SCRATCH_ALIGN  # room to align the start
-        # the exact layout every run must present
-        self._expect = {name: layout_signature(getattr(call, name)) for name in call.TENSORS}
+        # the exact layout every run must present: (name, (shape, strides, dtype) or None), in
+        # run()'s argument order
+        self._inputs = tuple((name, layout_signature(getattr(call, name))) for name, _ in _RUN_TENSORS)
+        present = {key for (_, key), (_, sig) in zip(_RUN_TENSORS, self._inputs) if sig is not None}
         self._page, self._extra_page = call.main.page_block_size, call.extra.page_block_size
         self._stride_vals = call.strides
-        # the kernels, bound with their packed arguments
-        partial = loader.get_compiled(self.variants[0])
-        self._partial = BoundKernel(partial, argument_kinds(loader.build_kernel(self.variants[0]).fake_args()),
-                                    self._partial_values(call.pointers(), call.sm_scale, 0, 0), self.device_index)
-        self._partial_dynamic = self._dynamic_positions(self._partial_values)
+        example = self._values_of(call.pointers(), call.sm_scale, 0, 0)
+        # the kernels, bound with their packed arguments; each Bind becomes (slot, position of
+        # its value in run()'s value list, offset), rewritten per call
+        self._kernels = []
+        for variant, args in zip(self.variants, (self._partial_args(present), self._merge_args(present))):
+            compiled = loader.get_compiled(variant)
+            kinds = argument_kinds(loader.build_kernel(variant).fake_args())
+            values = [a.resolve(example) if isinstance(a, Bind) else a for a in args]
+            bound = BoundKernel(compiled, kinds, values, self.device_index)
+            binds = tuple((i, _POSITION[a.key], a.offset) for i, a in enumerate(args)
+                          if isinstance(a, Bind) and kinds[i][0] != "f32")
+            float_binds = tuple((2 * i, _POSITION[a.key]) for i, a in enumerate(args)
+                                if isinstance(a, Bind) and kinds[i][0] == "f32")
+            self._kernels.append((bound, bound.words, binds, bound.floats, float_binds))
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
-        self._merge = None
-        if not self.final:
-            merge = loader.get_compiled(self.variants[1])
-            self._merge = BoundKernel(merge, argument_kinds(loader.build_kernel(self.variants[1]).fake_args()),
-                                      self._merge_values(call.pointers(), 0, 0), self.device_index)
-            self._merge_dynamic = self._dynamic_positions(lambda p, scale, scratch, stream:
-                                                          self._merge_values(p, scratch, stream))
 
-    # ------------------------------------------------------------------ argument values
-    def _partial_values(self, p, sm_scale, scratch, stream):
-        st = self._stride_vals
-        o_part = scratch if not self.final else p["q"]  # stand-in, never touched in final mode
-        lse_part = scratch + self._o_part_bytes if not self.final else p["lse"]
-        return [
-            p["q"], st["q_t"], st["q_h"], self.num_tokens, self.num_heads,
-            p["main"], self._page, st["main_block"], st["main_slots"], p["indices"], st["idx_t"], self.topk,
-            p["topk_length"] or p["indices"],
-            p["extra"], self._extra_page, st["extra_block"], st["extra_slots"], p["extra_indices"] or p["indices"],
-            st["extra_idx_t"], self.extra_topk, p["extra_topk_length"] or p["indices"],
-            sm_scale * _LOG2_E, self.split.chunks_per_split, self.split.num_splits, o_part, lse_part,
-            p["out"], st["out_t"], st["out_h"], p["lse"], st["lse_t"], st["lse_h"], p["attn_sink"] or p["lse"],
-            stream,
-        ]
+    # ------------------------------------------------------------------ argument lists
+    def _partial_args(self, present: set) -> list:
+        """The partial kernel's arguments in order: plan constants, or ``Bind`` for per-call values.
 
-    def _merge_values(self, p, scratch, stream):
-        st = self._stride_vals
-        return [
-            scratch, scratch + self._o_part_bytes, self.num_tokens, self.split.num_splits, self.num_heads,
-            p["attn_sink"] or p["lse"], p["out"], st["out_t"], st["out_h"], p["lse"], st["lse_t"], st["lse_h"],
-            stream,
-        ]
-
-    def _dynamic_positions(self, values_fn) -> list[int]:
-        """The argument positions that depend on the tensors' addresses, sm_scale, scratch or stream.
-
-        Found by evaluating the argument list with two different sets of those inputs; every
-        other argument is fixed by the plan and written once.
+        An absent optional input, and the partial outputs in final mode, are the constant 0:
+        the compiled variant never dereferences them (and a bug that did would fault loudly).
         """
-        keys = ("q", "main", "indices", "topk_length", "attn_sink", "out", "lse", "extra", "extra_indices",
-                "extra_topk_length")
-        a = values_fn({k: 4096 * (i + 1) for i, k in enumerate(keys)}, 1.0, 1 << 20, 7)
-        b = values_fn({k: 8192 * (i + 3) for i, k in enumerate(keys)}, 2.0, 1 << 21, 9)
-        return [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        st = self._stride_vals
+        alt = {k: Bind(k) if k in present else 0
+               for k in ("topk_length", "extra_indices", "extra_topk_length", "attn_sink", "extra")}
+        o_part = Bind("scratch") if not self.final else 0
+        lse_part = Bind("scratch", self._o_part_bytes) if not self.final else 0
+        return [
+            Bind("q"), st["q_t"], st["q_h"], self.num_tokens, self.num_heads,
+            Bind("main"), self._page, st["main_block"], st["main_slots"], Bind("indices"), st["idx_t"], self.topk,
+            alt["topk_length"],
+            alt["extra"], self._extra_page, st["extra_block"], st["extra_slots"], alt["extra_indices"],
+            st["extra_idx_t"], self.extra_topk, alt["extra_topk_length"],
+            Bind("sm_scale_log2"), self.split.chunks_per_split, self.split.num_splits, o_part, lse_part,
+            Bind("out"), st["out_t"], st["out_h"], Bind("lse"), st["lse_t"], st["lse_h"], alt["attn_sink"],
+            Bind("stream"),
+        ]
+
+    def _merge_args(self, present: set) -> list:
+        st = self._stride_vals
+        return [
+            Bind("scratch"), Bind("scratch", self._o_part_bytes), self.num_tokens, self.split.num_splits,
+            self.num_heads, Bind("attn_sink") if "attn_sink" in present else 0, Bind("out"), st["out_t"],
+            st["out_h"], Bind("lse"), st["lse_t"], st["lse_h"], Bind("stream"),
+        ]
+
+    @staticmethod
+    def _values_of(pointers: dict, sm_scale: float, scratch_base: int, stream: int) -> dict:
+        """Every per-call value a ``Bind`` can name."""
+        values = dict(pointers)
+        values.update(sm_scale_log2=float(sm_scale) * _LOG2_E, scratch=scratch_base, stream=stream)
+        return values
 
     # ------------------------------------------------------------------ run
     def new_scratch(self) -> torch.Tensor | None:
@@ -118,54 +145,73 @@ class DecodePlan:
             return None
         return torch.empty(self.scratch_bytes, dtype=torch.uint8, device=torch.device("cuda", self.device_index))
 
-    def _check(self, name, t):
-        exp = self._expect[name]
-        if exp is None:
-            if t is not None:
-                raise ValueError(f"DecodePlan.run: {name} was not part of the planned call; plan again with it")
-            return 0
+    def _layout_error(self, name, t, expected):
+        if expected is None:
+            return ValueError(f"DecodePlan.run: {name} was not part of the planned call; plan again with it")
         if t is None:
-            raise ValueError(f"DecodePlan.run: {name} is required by this plan")
-        if t.shape != exp[0] or t.stride() != exp[1] or t.dtype != exp[2] or t.get_device() != self.device_index:
-            raise ValueError(
-                f"DecodePlan.run: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
-                f"{t.device}; the plan was built for shape {list(exp[0])}, strides {list(exp[1])}, {exp[2]} on "
-                f"cuda:{self.device_index}"
-            )
-        return t.data_ptr()
+            return ValueError(f"DecodePlan.run: {name} is required by this plan")
+        if not isinstance(t, torch.Tensor):
+            return ValueError(f"DecodePlan.run: {name} must be a torch.Tensor, got {type(t).__name__}")
+        return ValueError(
+            f"DecodePlan.run: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
+            f"{t.device}; the plan was built for shape {list(expected[0])}, strides {list(expected[1])}, "
+            f"{expected[2]} on cuda:{self.device_index}"
+        )
 
     def run(self, q, kv_cache, indices, *, out, lse, scratch=None, sm_scale=None, topk_length=None,
             attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
         """Launch on tensors laid out as planned. Allocates nothing; returns ``(out, lse)``."""
-        p = {
-            "q": self._check("q", q), "main": self._check("kv_cache", kv_cache),
-            "indices": self._check("indices", indices), "topk_length": self._check("topk_length", topk_length),
-            "attn_sink": self._check("attn_sink", attn_sink), "out": self._check("out", out),
-            "lse": self._check("lse", lse), "extra_indices": self._check("extra_indices", extra_indices),
-            "extra_topk_length": self._check("extra_topk_length", extra_topk_length),
-        }
-        extra = self._check("extra_kv_cache", extra_kv_cache)
-        p["extra"] = extra or p["main"]
+        given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
+                 extra_topk_length)
+        dev = self.device_index
+        values = []
+        # the layout check: exact shape, strides, dtype and device of every input, so no
+        # address written below can lead a kernel outside its tensor
+        for (name, sig), t in zip(self._inputs, given):
+            if sig is None:
+                if t is not None:
+                    raise self._layout_error(name, t, sig)
+                values.append(0)
+                continue
+            try:
+                ok = t.dtype is sig[2] and t.get_device() == dev and t.stride() == sig[1] and t.shape == sig[0]
+            except AttributeError:  # None, or not a tensor
+                ok = False
+            if not ok:
+                raise self._layout_error(name, t, sig)
+            values.append(t.data_ptr())
         if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(D_QK)
+            sm_scale = _DEFAULT_SM_SCALE
         elif not math.isfinite(sm_scale):
             raise ValueError(f"DecodePlan.run: sm_scale must be finite, got {sm_scale!r}")
-        if self.scratch_bytes and (
-                scratch is None or not scratch.is_contiguous() or scratch.get_device() != self.device_index
-                or scratch.numel() * scratch.element_size() < self.scratch_bytes):
-            raise ValueError(f"DecodePlan.run: scratch must be a contiguous buffer of at least "
-                             f"{self.scratch_bytes} bytes on cuda:{self.device_index} (plan.new_scratch())")
-        self.launch(p, float(sm_scale), scratch.data_ptr() if self.scratch_bytes else 0)
+        scratch_ptr = 0
+        if self.scratch_bytes:
+            try:
+                ok = (scratch.get_device() == dev and scratch.is_contiguous()
+                      and scratch.numel() * scratch.element_size() >= self.scratch_bytes)
+            except AttributeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"DecodePlan.run: scratch must be a contiguous buffer of at least "
+                                 f"{self.scratch_bytes} bytes on cuda:{dev} (plan.new_scratch())")
+            scratch_ptr = scratch.data_ptr()
+        self._bind_and_launch(values, float(sm_scale), scratch_ptr)
         return out, lse
 
-    def launch(self, p: dict, sm_scale: float, scratch_ptr: int) -> None:
-        """Write the changing arguments and launch. ``p`` holds the addresses of inputs whose
-        layout is already checked (``run``, or ``validate_call`` for the one-shot API)."""
-        base = -(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN if self.scratch_bytes else 0
-        stream = _raw_stream(self.device_index)
+    def launch(self, pointers: dict, sm_scale: float, scratch_ptr: int) -> None:
+        """Launch on inputs whose layout is already checked (``validate_call`` for the one-shot
+        API); ``pointers`` as ``ValidatedCall.pointers()``."""
+        self._bind_and_launch([pointers[key] for _, key in _RUN_TENSORS], float(sm_scale), scratch_ptr)
+
+    def _bind_and_launch(self, values: list, sm_scale: float, scratch_ptr: int) -> None:
+        """``values``: the input addresses in ``_RUN_TENSORS`` order (0 for an absent input)."""
+        values.append(sm_scale * _LOG2_E)
+        values.append(-(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN)
+        values.append(_raw_stream(self.device_index))
         with self._lock:
-            self._partial.write_at(self._partial_dynamic, self._partial_values(p, float(sm_scale), base, stream))
-            self._partial.launch()
-            if self._merge is not None:
-                self._merge.write_at(self._merge_dynamic, self._merge_values(p, base, stream))
-                self._merge.launch()
+            for bound, words, binds, floats, float_binds in self._kernels:
+                for i, position, offset in binds:
+                    words[i] = values[position] + offset
+                for i, position in float_binds:
+                    floats[i] = values[position]
+                bound.launch()

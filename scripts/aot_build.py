@@ -44,7 +44,17 @@ def planned_variants(archs, only: str | None = None) -> list[KernelVariant]:
 
 
 def _build_one(variant: KernelVariant, out_dir: str) -> dict:
-    """Compile, check and export one variant (runs in a worker process)."""
+    """Compile, check and export one variant (runs in a worker process).
+
+    A failure comes back as a RuntimeError carrying the message as text: the DSL's own
+    compile errors hold objects that cannot cross the process boundary."""
+    try:
+        return _build_one_unchecked(variant, out_dir)
+    except Exception as err:
+        raise RuntimeError(f"{type(err).__name__}: {err}") from None
+
+
+def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_cubin_"))
     from cute_kernels.sass_check import inspect_cubin
     from cute_kernels.sparse_mla_decode.config import SMEM_LIMIT_BYTES

@@ -6,7 +6,8 @@ For a T=1 shape (H=16, topk=128) and a T=8 dual-cache shape, times back-to-back 
 of (a) the one-shot ``sparse_mla_decode`` (validation + plan lookup + launch), (b) a held
 ``DecodePlan.run`` and (c) the replay of a CUDA graph of ``DecodePlan.run``. Wall time per
 call of (a)/(b) minus (c) is the host overhead the call adds beyond the GPU work; the
-host time of one call (no synchronization) is printed too.
+host time of one call (no synchronization) is printed too, and how it divides between
+the bare kernel launches and run()'s input checks and argument binding.
 """
 
 from __future__ import annotations
@@ -68,12 +69,20 @@ def main(argv=None) -> int:
         one_shot = per_call_us(lambda: sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw), args.calls)
         planned = per_call_us(run, args.calls)
         replay = per_call_us(graph.replay, args.calls)
-        rows.append((f"T={T} H={H} topk={topk}" + (f"+{extra_topk}" if extra_topk else ""), one_shot, planned, replay))
+        # where plan.run's host time goes: the bare launches alone, and the checks + binding alone
+        launches = per_call_us(lambda: [k[0].launch() for k in plan._kernels], args.calls)[1]
+        real = plan._bind_and_launch
+        plan._bind_and_launch = lambda values, sm_scale, scratch_ptr: None
+        checks = per_call_us(run, args.calls)[1]
+        plan._bind_and_launch = real
+        name = f"T={T} H={H} topk={topk}" + (f"+{extra_topk}" if extra_topk else "")
+        rows.append((name, one_shot, planned, replay, launches, checks, len(plan._kernels)))
     print(f"{'shape':<26} {'one-shot us':>12} {'host':>6} {'plan.run us':>12} {'host':>6} {'graph us':>9} "
-          f"{'overhead one-shot':>18} {'overhead plan.run':>18}")
-    for name, a, b, c in rows:
+          f"{'overhead one-shot':>18} {'overhead plan.run':>18} {'launches':>9} {'host of launches':>17} "
+          f"{'host of checks':>15}")
+    for name, a, b, c, launch_host, check_host, n in rows:
         print(f"{name:<26} {a[0]:>12.1f} {a[1]:>6.1f} {b[0]:>12.1f} {b[1]:>6.1f} {c[0]:>9.1f} "
-              f"{a[0] - c[0]:>18.1f} {b[0] - c[0]:>18.1f}")
+              f"{a[0] - c[0]:>18.1f} {b[0] - c[0]:>18.1f} {n:>9} {launch_host:>17.1f} {check_host:>15.1f}")
     return 0
 
 

@@ -67,6 +67,7 @@ CASES = [
     Case(T=8, H=128, topk=1024, sink="mixed", invalid=0.1),
     Case(T=2, H=64, topk=1152, sink="+inf"),
     Case(T=3, H=16, topk=2048, empty_tokens=True, sink="-inf"),
+    Case(T=1, H=8, topk=4096, invalid=0.05, lengths="random"),  # 128 splits: the most one merge combines
     Case(T=4, H=16, topk=128, extra_topk=512),
     Case(T=2, H=64, topk=128, extra_topk=1024, extra_page=2, extra_blocks=700, extra_lengths="edge"),
     Case(T=5, H=16, topk=128, extra_topk=512, extra_page=32, extra_blocks=80, lengths="random",

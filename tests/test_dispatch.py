@@ -10,7 +10,7 @@ import torch
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from dispatch import InvalidDecodeInput, sparse_mla_decode
 from dispatch.metadata import MODEL_TYPE, DecodeMetadata
-from dispatch.splits import plan_splits
+from dispatch.splits import MAX_SPLITS, plan_splits
 from dispatch.variants import variant_space, variants_for
 from tests.dsv4_inputs import make_cache, make_indices
 
@@ -59,10 +59,12 @@ def _another(value):
 
 
 @pytest.mark.parametrize("T,H,topk,extra", [(1, 16, 128, 0), (1, 128, 2048, 8192), (300, 128, 128, 0),
-                                            (7, 1, 1, 0), (64, 64, 512, 512), (4096, 8, 100, 33)])
+                                            (7, 1, 1, 0), (64, 64, 512, 512), (4096, 8, 100, 33),
+                                            (1, 8, 8192, 8192)])
 def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
     plan = plan_splits(T, H, topk, extra, heads_per_cta=16, block_n=32, num_sms=188)
     assert plan.num_chunks == math.ceil(topk / 32) + math.ceil(extra / 32)
+    assert 1 <= plan.num_splits <= MAX_SPLITS  # the merge kernel has one thread per split
     assert plan.num_splits * plan.chunks_per_split >= plan.num_chunks
     assert (plan.num_splits - 1) * plan.chunks_per_split < plan.num_chunks
     if T * math.ceil(H / 16) >= 2 * 188:

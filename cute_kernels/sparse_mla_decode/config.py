@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .layout import D_QK, ROW_BYTES, SCALE_BYTES
 
 SMEM_LIMIT_BYTES = 101376  # 99 KB: the most an SM120 CTA may use
-SLOT_BUFFERS = 3  # the partial kernel stages each chunk's slots two chunks ahead of their use
+SLOT_BUFFERS = 3  # the partial kernel loads each chunk's indices two chunks ahead of their use
 PRECISIONS = ("bf16",)
 
 
@@ -66,7 +66,7 @@ class PartialConfig:
         kv_tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
         raw = self.num_stages * self.stage_bytes
         s_exchange = self.num_warps * self.heads_per_group * self.block_n * 4  # per group: its warps' S tiles
-        slots = SLOT_BUFFERS * self.block_n * 4
+        slots = 2 * SLOT_BUFFERS * self.block_n * 4  # raw indices and checked slots
         return kv_tile + raw + s_exchange + slots + 1024  # + alignment slack
 
     def check(self) -> None:
@@ -108,8 +108,14 @@ class MergeConfig:
     has_sink: bool = False
     num_threads: int = 128  # each thread owns D_V / num_threads output dims
 
+    @property
+    def max_splits(self) -> int:
+        """The most splits one merge can combine: one thread loads each split's lse."""
+        return self.num_threads
+
     def smem_bytes(self) -> int:
-        return 4 * (self.num_threads // 32)  # one float per warp: the block-wide max over splits
+        # one float per warp (the block-wide max over splits) and one weight per split
+        return 4 * (self.num_threads // 32) + 4 * self.num_threads
 
     def check(self) -> None:
         if D_QK % self.num_threads != 0 or (D_QK // self.num_threads) % 4 != 0:

@@ -64,7 +64,8 @@ class SparseMlaMergeKernel:
         self.kernel(
             o_part, lse_part, num_splits, num_heads, attn_sink,
             out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h,
-        ).launch(grid=(num_tokens, num_heads, 1), block=(self.cfg.num_threads, 1, 1), stream=stream)
+        ).launch(grid=(num_tokens, num_heads, 1), block=(self.cfg.num_threads, 1, 1), stream=stream,
+                 use_pdl=True)
 
     @cute.kernel
     def kernel(
@@ -82,6 +83,10 @@ class SparseMlaMergeKernel:
         lse_stride_h: Int64,
     ):
         vec = self.vec
+        # Launched as a programmatic dependent of the partial kernel (PDL): its CTAs may start
+        # while the partial kernel's last wave runs; nothing is read before every partial CTA
+        # has finished and its writes are visible.
+        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         token, head, _ = cute.arch.block_idx()
         gLse = cute.make_tensor(
@@ -89,13 +94,16 @@ class SparseMlaMergeKernel:
                           cute.AddressSpace.gmem, assumed_align=4),
             cute.make_layout(num_splits, stride=num_heads),
         )
-        # max over the splits: each thread scans a strided subset, then warp and block reductions
-        # (independent loads in flight instead of one latency per split)
+        # pass 1: thread s loads split s's lse (num_splits <= num_threads, see splits.py), the
+        # block max; then thread s keeps its split's weight 2**(lse_s - m) in shared memory
         nwarps = self.cfg.num_threads // 32
-        sMax = SmemAllocator().allocate_tensor(Float32, cute.make_layout(nwarps), byte_alignment=16)
-        m = -Float32.inf
-        for s in cutlass.range(tidx, num_splits, self.cfg.num_threads, unroll=1):
-            m = cute.arch.fmax(m, gLse[s])
+        smem = SmemAllocator()
+        sMax = smem.allocate_tensor(Float32, cute.make_layout(nwarps), byte_alignment=16)
+        sW = smem.allocate_tensor(Float32, cute.make_layout(self.cfg.num_threads), byte_alignment=16)
+        lse_s = -Float32.inf
+        if tidx < num_splits:
+            lse_s = gLse[tidx]
+        m = lse_s
         for offset in (16, 8, 4, 2, 1):
             m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset, mask=-1, mask_and_clamp=31))
         if tidx % 32 == 0:
@@ -104,14 +112,21 @@ class SparseMlaMergeKernel:
         m = sMax[0]
         for w in cutlass.range_constexpr(1, nwarps):
             m = cute.arch.fmax(m, sMax[w])
+        m_base = m
+        if m == -Float32.inf:
+            m_base = Float32(0.0)
+        sW[tidx] = cute.math.exp2(lse_s - m_base, fastmath=True)  # 0 for an empty or absent split
+        cute.arch.sync_threads()
 
+        # pass 2: the weighted sum; the weights come from shared memory, so the loads of
+        # several splits' partial outputs are independent and in flight together
         acc = cute.make_rmem_tensor(vec, Float32)
         acc.fill(0.0)
         lse_out = Float32.inf
         if m != -Float32.inf:
             total = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=4):  # several splits' loads in flight
-                w = cute.math.exp2(gLse[s] - m, fastmath=True)
+            for s in cutlass.range(num_splits, unroll=8):
+                w = sW[s]
                 total = total + w
                 gO = cute.make_tensor(
                     cute.make_ptr(

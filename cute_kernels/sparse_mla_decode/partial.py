@@ -10,7 +10,8 @@ Per chunk:
 1. gather: each selected slot's 576 data bytes (36 x 16-byte cp.async) and 8 scale bytes
    (one 8-byte cp.async) land in a raw shared-memory stage; an invalid entry (-1, a slot
    outside the cache, or a position past topk_length) is never read. Two stages: the
-   gather of chunk c+1 is in flight while chunk c is computed.
+   gather of chunk c+1 is in flight while chunk c is computed, and the indices of chunk
+   c+2 (4-byte cp.async) with it, so no thread ever waits on a global load in the loop.
 2. dequantize: FP8 nope bytes times 2**(scale - 127) and the bf16 rope values become a
    bf16 tile [block_n, 512] (swizzled for ldmatrix); invalid entries become rows of 0.
 3. S = Q K^T on the tensor cores (mma.sync m16n8k16 bf16 -> f32). Warp w multiplies its
@@ -161,17 +162,6 @@ class SparseMlaPartialKernel:
         )
 
     # ------------------------------------------------------------------ helpers
-    @cute.jit
-    def _entry_slot(self, idx_addr: Int64, pos: Int32, limit: Int32, num_slots: Int32) -> Int32:
-        """The cache slot of list position ``pos``, or -1 when the entry does not count."""
-        slot = Int32(-1)
-        if pos < limit:
-            v = load_i32(idx_addr + Int64(pos) * 4)
-            if v >= 0:
-                if v < num_slots:
-                    slot = v
-        return slot
-
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(
@@ -214,6 +204,10 @@ class SparseMlaPartialKernel:
         tiled_store: cute.TiledCopy,
     ):
         bn, hb, hg = self.bn, self.hb, self.hg
+        if const_expr(not self.cfg.final_output):
+            # let the merge kernel (a programmatic dependent launch) get its CTAs onto the SMs
+            # as this grid's last wave starts; it waits for this grid to finish before reading
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         token, head_block, split = cute.arch.block_idx()
         warp_id = tidx // 32
@@ -248,11 +242,16 @@ class SparseMlaPartialKernel:
             byte_alignment=16,
         )
         sSlot = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
+        sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
         sQ = cute.make_tensor(sKV.iterator, q_layout)  # Q is staged in the KV tile first
         raw_base = sRaw.iterator.toint()
+        # addresses taken here, at the top level: an iterator's toint() first evaluated inside
+        # a dynamic if is reused by later evaluations outside it (IR that does not verify)
+        sidx_base = sIdx.iterator.toint()
 
         g2s_16 = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=128)
         g2s_8 = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64)
+        g2s_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
 
         # ---- stage Q [16, 512] (rows >= H are zero-filled, never read)
         thr_store = tiled_store.get_slice(tidx)
@@ -269,27 +268,27 @@ class SparseMlaPartialKernel:
                 cute.copy(cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128), src, tQsQ[None, i, 0])
             else:
                 tQsQ[None, i, 0].fill(0.0)
-        cute.arch.cp_async_commit_group()  # group: Q
 
-        # ---- the first chunks' slots (one index load per entry, in parallel), then their rows
+        # ---- the first two chunks' indices (cp.async, in the same group as Q), then the
+        # first chunk's rows
         ctx = SimpleNamespace(
-            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sSlot=sSlot,
-            main_idx_row=main_idx_row, main_limit=main_limit, main_num_slots=main_num_slots,
+            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sSlot=sSlot, sIdx=sIdx, sidx_base=sidx_base,
+            main_idx_row=main_idx_row, main_topk=main_topk, main_limit=main_limit, main_num_slots=main_num_slots,
             main_page=main_page, main_block_stride=main_block_stride, main_base=main_cache.toint(),
-            extra_idx_row=extra_idx_row, extra_limit=extra_limit, extra_num_slots=extra_num_slots,
-            extra_page=extra_page, extra_block_stride=extra_block_stride, extra_base=extra_cache.toint(),
-            g2s_16=g2s_16, g2s_8=g2s_8,
+            extra_idx_row=extra_idx_row, extra_topk=extra_topk, extra_limit=extra_limit,
+            extra_num_slots=extra_num_slots, extra_page=extra_page, extra_block_stride=extra_block_stride,
+            extra_base=extra_cache.toint(), g2s_16=g2s_16, g2s_8=g2s_8, g2s_4=g2s_4,
         )
         if c_begin < c_end:
-            self._stage_slots(ctx, c_begin, Int32(0))
+            self._issue_indices(ctx, c_begin, Int32(0))
         if c_begin + 1 < c_end:
-            self._stage_slots(ctx, c_begin + 1, Int32(1))
-        cute.arch.sync_threads()  # slots visible
+            self._issue_indices(ctx, c_begin + 1, Int32(1))
+        cute.arch.cp_async_commit_group()  # group: Q and the first indices
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # Q and the indices visible
         if c_begin < c_end:
             self._issue_rows(ctx, c_begin, Int32(0), Int32(0))
         cute.arch.cp_async_commit_group()  # group: rows of the first chunk
-        cute.arch.cp_async_wait_group(1)  # Q landed (the rows may still be in flight)
-        cute.arch.sync_threads()
 
         # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
         thr_mma = tiled_mma.get_slice(lane)
@@ -346,9 +345,9 @@ class SparseMlaPartialKernel:
             cute.arch.sync_threads()  # chunk c landed; c+1's slots are visible; last step's readers are done
             if c + 1 < c_end:
                 self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
-            cute.arch.cp_async_commit_group()
             if c + 2 < c_end:
-                self._stage_slots(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
+                self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
+            cute.arch.cp_async_commit_group()
             self._dequantize(ctx, stage, buf)
             cute.arch.sync_threads()
 
@@ -455,10 +454,12 @@ class SparseMlaPartialKernel:
     # ------------------------------------------------------------------ per-chunk stages
     @cute.jit
     def _chunk_source(self, ctx: SimpleNamespace, c: Int32):
-        """Where chunk ``c``'s entries live: (first list position, index row address, length
-        limit, slots in the cache, page block size, block stride, cache base address)."""
+        """Where chunk ``c``'s entries live: (first list position, index row address, list
+        length (topk), length limit, slots in the cache, page block size, block stride, cache
+        base address)."""
         pos0 = c * self.bn
         idx_row = ctx.main_idx_row
+        topk = ctx.main_topk
         limit = ctx.main_limit
         num_slots = ctx.main_num_slots
         page = ctx.main_page
@@ -467,27 +468,56 @@ class SparseMlaPartialKernel:
         if c >= ctx.n_main_chunks:
             pos0 = (c - ctx.n_main_chunks) * self.bn
             idx_row = ctx.extra_idx_row
+            topk = ctx.extra_topk
             limit = ctx.extra_limit
             num_slots = ctx.extra_num_slots
             page = ctx.extra_page
             block_stride = ctx.extra_block_stride
             base = ctx.extra_base
-        return pos0, idx_row, limit, num_slots, page, block_stride, base
+        return pos0, idx_row, topk, limit, num_slots, page, block_stride, base
 
     @cute.jit
-    def _stage_slots(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
-        """Threads 0..block_n-1 each read one index of chunk ``c`` and store its slot (-1: skip)."""
-        tidx, sSlot = ctx.tidx, ctx.sSlot  # locals: the DSL stages stores to names, not attributes
-        pos0, idx_row, limit, num_slots, _, _, _ = self._chunk_source(ctx, c)
+    def _issue_indices(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
+        """Threads 0..block_n-1 start the cp.async of one index of chunk ``c`` each into
+        ``sIdx[:, buf]`` (positions past topk are not read: they are outside the index row).
+
+        Asynchronous so that no thread waits on a global load in the main loop; the indices
+        are checked when the rows are issued (``_valid_slot``)."""
+        tidx = ctx.tidx
+        pos0, idx_row, topk, _, _, _, _, _ = self._chunk_source(ctx, c)
         if tidx < self.bn:
-            slot = self._entry_slot(idx_row, pos0 + tidx, limit, num_slots)
-            sSlot[tidx, buf] = slot
+            if pos0 + tidx < topk:
+                src = cute.make_tensor(
+                    cute.make_ptr(Int32, idx_row + Int64(pos0 + tidx) * 4, cute.AddressSpace.gmem, assumed_align=4),
+                    cute.make_layout(1),
+                )
+                dst = cute.make_tensor(
+                    cute.make_ptr(Int32, ctx.sidx_base + (buf * self.bn + tidx) * 4,
+                                  cute.AddressSpace.smem, assumed_align=4),
+                    cute.make_layout(1),
+                )
+                cute.copy(ctx.g2s_4, src, dst)
+
+    @cute.jit
+    def _valid_slot(self, ctx: SimpleNamespace, e: Int32, buf: Int32, pos0: Int32, limit: Int32,
+                    num_slots: Int32) -> Int32:
+        """The cache slot of entry ``e`` of a chunk whose indices landed in ``sIdx[:, buf]``,
+        or -1 when the entry does not count (past the length limit, -1, or outside the cache)."""
+        sIdx = ctx.sIdx
+        slot = Int32(-1)
+        if pos0 + e < limit:
+            v = sIdx[e, buf]
+            if v >= 0:
+                if v < num_slots:
+                    slot = v
+        return slot
 
     @cute.jit
     def _issue_rows(self, ctx: SimpleNamespace, c: Int32, stage: Int32, buf: Int32):
-        """Start the cp.async gather of chunk ``c``'s rows and scales (slots from buffer ``buf``)."""
-        bn, nthr, tidx, sSlot = self.bn, self.nthr, ctx.tidx, ctx.sSlot
-        _, _, _, _, page, block_stride, base = self._chunk_source(ctx, c)
+        """Start the cp.async gather of chunk ``c``'s rows and scales. Its indices landed in
+        ``sIdx[:, buf]``; each is checked here and the slot (or -1) kept in ``sSlot[:, buf]``."""
+        bn, nthr, tidx, sSlot, sIdx = self.bn, self.nthr, ctx.tidx, ctx.sSlot, ctx.sIdx
+        pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
         pieces = ROW_BYTES // 16
         total = bn * pieces  # 16-byte pieces of the chunk's rows, spread over the threads
@@ -497,7 +527,7 @@ class SparseMlaPartialKernel:
             piece = p - e * pieces
             slot = Int32(-1)
             if p < total:
-                slot = sSlot[e, buf]
+                slot = self._valid_slot(ctx, e, buf, pos0, limit, num_slots)
             if slot >= 0:
                 blk = slot // page
                 off = slot - blk * page
@@ -511,7 +541,8 @@ class SparseMlaPartialKernel:
                 )
                 cute.copy(ctx.g2s_16, src, dst)
         if tidx < bn:
-            slot = sSlot[tidx, buf]
+            slot = self._valid_slot(ctx, tidx, buf, pos0, limit, num_slots)
+            sSlot[tidx, buf] = slot  # for the dequantization and the softmax mask of chunk c
             if slot >= 0:
                 blk = slot // page
                 off = slot - blk * page
