@@ -8,6 +8,10 @@ bounds), writes their addresses into the kernels' packed arguments and launches.
 allocates nothing, never synchronizes with the host, and is safe to capture in a CUDA
 graph; replaying the graph with new values in the same tensors (fewer valid tokens than
 captured: give the padding tokens ``topk_length`` 0) recomputes the result.
+
+``plan.bind(...)`` goes one step further for persistent input buffers: it checks the
+tensors once and returns a ``BoundDecode`` whose ``run()`` only launches (measured host
+overhead in README "In a serving engine").
 """
 
 from __future__ import annotations
@@ -84,21 +88,27 @@ class DecodePlan:
         present = {key for (_, key), (_, sig) in zip(_RUN_TENSORS, self._inputs) if sig is not None}
         self._page, self._extra_page = call.main.page_block_size, call.extra.page_block_size
         self._stride_vals = call.strides
-        example = self._values_of(call.pointers(), call.sm_scale, 0, 0)
-        # the kernels, bound with their packed arguments; each Bind becomes (slot, position of
-        # its value in run()'s value list, offset), rewritten per call
-        self._kernels = []
-        for variant, args in zip(self.variants, (self._partial_args(present), self._merge_args(present))):
-            compiled = loader.get_compiled(variant)
-            kinds = argument_kinds(loader.build_kernel(variant).fake_args())
-            values = [a.resolve(example) if isinstance(a, Bind) else a for a in args]
-            bound = BoundKernel(compiled, kinds, values, self.device_index)
+        self._args = (self._partial_args(present), self._merge_args(present))[:len(self.variants)]
+        self._compiled = [(loader.get_compiled(v), argument_kinds(loader.build_kernel(v).fake_args()))
+                          for v in self.variants]
+        example = [call.pointers()[key] for _, key in _RUN_TENSORS] + [call.sm_scale * _LOG2_E, 0, 0]
+        self._kernels = self._make_kernels(example)
+        self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
+
+    def _make_kernels(self, values: list) -> list:
+        """The plan's kernels with their own packed arguments, filled from ``values`` (a value
+        per ``_VALUE_KEYS`` entry). Each ``Bind`` becomes (word index, position of its value
+        in such a list, offset), for ``_bind_and_launch`` to rewrite per call."""
+        kernels = []
+        for (compiled, kinds), args in zip(self._compiled, self._args):
+            filled = [values[_POSITION[a.key]] + a.offset if isinstance(a, Bind) else a for a in args]
+            bound = BoundKernel(compiled, kinds, filled, self.device_index)
             binds = tuple((i, _POSITION[a.key], a.offset) for i, a in enumerate(args)
                           if isinstance(a, Bind) and kinds[i][0] != "f32")
             float_binds = tuple((2 * i, _POSITION[a.key]) for i, a in enumerate(args)
                                 if isinstance(a, Bind) and kinds[i][0] == "f32")
-            self._kernels.append((bound, bound.words, binds, bound.floats, float_binds))
-        self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
+            kernels.append((bound, bound.words, binds, bound.floats, float_binds))
+        return kernels
 
     # ------------------------------------------------------------------ argument lists
     def _partial_args(self, present: set) -> list:
@@ -131,13 +141,6 @@ class DecodePlan:
             st["out_h"], Bind("lse"), st["lse_t"], st["lse_h"], Bind("stream"),
         ]
 
-    @staticmethod
-    def _values_of(pointers: dict, sm_scale: float, scratch_base: int, stream: int) -> dict:
-        """Every per-call value a ``Bind`` can name."""
-        values = dict(pointers)
-        values.update(sm_scale_log2=float(sm_scale) * _LOG2_E, scratch=scratch_base, stream=stream)
-        return values
-
     # ------------------------------------------------------------------ run
     def new_scratch(self) -> torch.Tensor | None:
         """A scratch buffer for ``run`` (None when the plan needs none)."""
@@ -145,32 +148,30 @@ class DecodePlan:
             return None
         return torch.empty(self.scratch_bytes, dtype=torch.uint8, device=torch.device("cuda", self.device_index))
 
-    def _layout_error(self, name, t, expected):
+    def _layout_error(self, caller, name, t, expected):
         if expected is None:
-            return ValueError(f"DecodePlan.run: {name} was not part of the planned call; plan again with it")
+            return ValueError(f"DecodePlan.{caller}: {name} was not part of the planned call; plan again with it")
         if t is None:
-            return ValueError(f"DecodePlan.run: {name} is required by this plan")
+            return ValueError(f"DecodePlan.{caller}: {name} is required by this plan")
         if not isinstance(t, torch.Tensor):
-            return ValueError(f"DecodePlan.run: {name} must be a torch.Tensor, got {type(t).__name__}")
+            return ValueError(f"DecodePlan.{caller}: {name} must be a torch.Tensor, got {type(t).__name__}")
         return ValueError(
-            f"DecodePlan.run: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
+            f"DecodePlan.{caller}: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
             f"{t.device}; the plan was built for shape {list(expected[0])}, strides {list(expected[1])}, "
             f"{expected[2]} on cuda:{self.device_index}"
         )
 
-    def run(self, q, kv_cache, indices, *, out, lse, scratch=None, sm_scale=None, topk_length=None,
-            attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
-        """Launch on tensors laid out as planned. Allocates nothing; returns ``(out, lse)``."""
-        given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
-                 extra_topk_length)
+    def _checked_values(self, caller, given, sm_scale, scratch) -> list:
+        """The input addresses (0 for an absent input), then sm_scale * log2(e) and the aligned
+        scratch address: a value per ``_VALUE_KEYS`` entry but the stream. Raises ValueError
+        for a tensor not laid out exactly as planned (shape, strides, dtype, device), so no
+        address written into the kernels' arguments can lead a kernel outside its tensor."""
         dev = self.device_index
         values = []
-        # the layout check: exact shape, strides, dtype and device of every input, so no
-        # address written below can lead a kernel outside its tensor
         for (name, sig), t in zip(self._inputs, given):
             if sig is None:
                 if t is not None:
-                    raise self._layout_error(name, t, sig)
+                    raise self._layout_error(caller, name, t, sig)
                 values.append(0)
                 continue
             try:
@@ -178,12 +179,13 @@ class DecodePlan:
             except AttributeError:  # None, or not a tensor
                 ok = False
             if not ok:
-                raise self._layout_error(name, t, sig)
+                raise self._layout_error(caller, name, t, sig)
             values.append(t.data_ptr())
         if sm_scale is None:
             sm_scale = _DEFAULT_SM_SCALE
         elif not math.isfinite(sm_scale):
-            raise ValueError(f"DecodePlan.run: sm_scale must be finite, got {sm_scale!r}")
+            raise ValueError(f"DecodePlan.{caller}: sm_scale must be finite, got {sm_scale!r}")
+        values.append(float(sm_scale) * _LOG2_E)
         scratch_ptr = 0
         if self.scratch_bytes:
             try:
@@ -192,21 +194,44 @@ class DecodePlan:
             except AttributeError:
                 ok = False
             if not ok:
-                raise ValueError(f"DecodePlan.run: scratch must be a contiguous buffer of at least "
+                raise ValueError(f"DecodePlan.{caller}: scratch must be a contiguous buffer of at least "
                                  f"{self.scratch_bytes} bytes on cuda:{dev} (plan.new_scratch())")
-            scratch_ptr = scratch.data_ptr()
-        self._bind_and_launch(values, float(sm_scale), scratch_ptr)
+            scratch_ptr = -(-scratch.data_ptr() // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        values.append(scratch_ptr)
+        return values
+
+    def run(self, q, kv_cache, indices, *, out, lse, scratch=None, sm_scale=None, topk_length=None,
+            attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
+        """Launch on tensors laid out as planned. Allocates nothing; returns ``(out, lse)``."""
+        given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
+                 extra_topk_length)
+        self._bind_and_launch(self._checked_values("run", given, sm_scale, scratch))
         return out, lse
+
+    def bind(self, q, kv_cache, indices, *, out, lse, scratch=None, sm_scale=None, topk_length=None,
+             attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None) -> "BoundDecode":
+        """Fix the tensors (and sm_scale) of every later call: the fastest hot path.
+
+        Checks the inputs as ``run`` does, once, and returns a ``BoundDecode`` whose ``run()``
+        only launches the kernels on those tensors' current values (the serving pattern of
+        persistent input buffers). The bound object keeps the tensors' storage alive, so no
+        later change to the tensors (even ``set_`` or ``resize_``) can make a kernel read or
+        write memory that is not theirs; write new values into them in place.
+        """
+        given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
+                 extra_topk_length)
+        values = self._checked_values("bind", given, sm_scale, scratch)
+        tensors = tuple(t for t in given + (scratch if self.scratch_bytes else None,) if t is not None)
+        return BoundDecode(self, self._make_kernels(values + [0]), tensors, out, lse)
 
     def launch(self, pointers: dict, sm_scale: float, scratch_ptr: int) -> None:
         """Launch on inputs whose layout is already checked (``validate_call`` for the one-shot
         API); ``pointers`` as ``ValidatedCall.pointers()``."""
-        self._bind_and_launch([pointers[key] for _, key in _RUN_TENSORS], float(sm_scale), scratch_ptr)
+        self._bind_and_launch([pointers[key] for _, key in _RUN_TENSORS]
+                              + [float(sm_scale) * _LOG2_E, -(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN])
 
-    def _bind_and_launch(self, values: list, sm_scale: float, scratch_ptr: int) -> None:
-        """``values``: the input addresses in ``_RUN_TENSORS`` order (0 for an absent input)."""
-        values.append(sm_scale * _LOG2_E)
-        values.append(-(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN)
+    def _bind_and_launch(self, values: list) -> None:
+        """``values`` as ``_checked_values`` returns them; the stream is the current one."""
         values.append(_raw_stream(self.device_index))
         with self._lock:
             for bound, words, binds, floats, float_binds in self._kernels:
@@ -215,3 +240,34 @@ class DecodePlan:
                 for i, position in float_binds:
                     floats[i] = values[position]
                 bound.launch()
+
+
+class BoundDecode:
+    """A ``DecodePlan`` bound to fixed tensors (``DecodePlan.bind``): ``run()`` recomputes the
+    result from the tensors' current values. Per call it reads the current stream and
+    launches; nothing is checked, allocated or synchronized. Safe to capture in a CUDA graph."""
+
+    def __init__(self, plan: DecodePlan, kernels: list, tensors: tuple, out, lse):
+        self.plan = plan
+        self.out, self.lse = out, lse
+        self._tensors = tensors
+        # the storages, held: the bound addresses stay valid whatever is done to the tensors
+        self._storages = tuple(t.untyped_storage() for t in tensors)
+        self._launches = tuple(k[0].launch for k in kernels)
+        stream_key = _POSITION["stream"]
+        self._stream_words = tuple((k[1], i) for k in kernels for i, position, _ in k[2] if position == stream_key)
+        self._stream = None
+        self._device_index = plan.device_index
+        self._lock = threading.Lock()
+
+    def run(self):
+        """Launch on the current stream; returns ``(out, lse)``."""
+        stream = _raw_stream(self._device_index)
+        with self._lock:
+            if stream != self._stream:
+                for words, i in self._stream_words:
+                    words[i] = stream
+                self._stream = stream
+            for launch in self._launches:
+                launch()
+        return self.out, self.lse

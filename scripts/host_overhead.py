@@ -4,8 +4,9 @@
 
 For a T=1 shape (H=16, topk=128) and a T=8 dual-cache shape, times back-to-back calls
 of (a) the one-shot ``sparse_mla_decode`` (validation + plan lookup + launch), (b) a held
-``DecodePlan.run`` and (c) the replay of a CUDA graph of ``DecodePlan.run``. Wall time per
-call of (a)/(b) minus (c) is the host overhead the call adds beyond the GPU work; the
+``DecodePlan.run``, (d) ``BoundDecode.run`` (``plan.bind``: tensors fixed, launch only) and
+(c) the replay of a CUDA graph of ``DecodePlan.run``. Wall time per call of (a)/(b)/(d)
+minus (c) is the host overhead the call adds beyond the GPU work; the
 host time of one call (no synchronization) is printed too, and how it divides between
 the bare kernel launches and run()'s input checks and argument binding.
 """
@@ -68,21 +69,25 @@ def main(argv=None) -> int:
             run()
         one_shot = per_call_us(lambda: sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw), args.calls)
         planned = per_call_us(run, args.calls)
+        bound = plan.bind(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+        bound_run = per_call_us(bound.run, args.calls)
         replay = per_call_us(graph.replay, args.calls)
         # where plan.run's host time goes: the bare launches alone, and the checks + binding alone
         launches = per_call_us(lambda: [k[0].launch() for k in plan._kernels], args.calls)[1]
         real = plan._bind_and_launch
-        plan._bind_and_launch = lambda values, sm_scale, scratch_ptr: None
+        plan._bind_and_launch = lambda values: None
         checks = per_call_us(run, args.calls)[1]
         plan._bind_and_launch = real
         name = f"T={T} H={H} topk={topk}" + (f"+{extra_topk}" if extra_topk else "")
-        rows.append((name, one_shot, planned, replay, launches, checks, len(plan._kernels)))
-    print(f"{'shape':<26} {'one-shot us':>12} {'host':>6} {'plan.run us':>12} {'host':>6} {'graph us':>9} "
-          f"{'overhead one-shot':>18} {'overhead plan.run':>18} {'launches':>9} {'host of launches':>17} "
-          f"{'host of checks':>15}")
-    for name, a, b, c, launch_host, check_host, n in rows:
-        print(f"{name:<26} {a[0]:>12.1f} {a[1]:>6.1f} {b[0]:>12.1f} {b[1]:>6.1f} {c[0]:>9.1f} "
-              f"{a[0] - c[0]:>18.1f} {b[0] - c[0]:>18.1f} {n:>9} {launch_host:>17.1f} {check_host:>15.1f}")
+        rows.append((name, one_shot, planned, bound_run, replay, launches, checks, len(plan._kernels)))
+    print("per call, microseconds: wall time of back-to-back calls (GPU work included) / host time of a call")
+    print(f"{'shape':<24} {'one-shot':>13} {'plan.run':>13} {'bound.run':>13} {'graph':>6} "
+          f"{'overhead: one-shot':>19} {'plan.run':>9} {'bound.run':>10} {'launches':>9} {'host: launches':>15} "
+          f"{'run checks':>11}")
+    for name, a, b, d, c, launch_host, check_host, n in rows:
+        print(f"{name:<24} {a[0]:>6.1f} /{a[1]:>5.1f} {b[0]:>6.1f} /{b[1]:>5.1f} {d[0]:>6.1f} /{d[1]:>5.1f} "
+              f"{c[0]:>6.1f} {a[0] - c[0]:>19.1f} {b[0] - c[0]:>9.1f} {d[0] - c[0]:>10.1f} {n:>9} "
+              f"{launch_host:>15.1f} {check_host:>11.1f}")
     return 0
 
 

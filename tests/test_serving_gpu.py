@@ -74,6 +74,46 @@ def test_plan_run_refuses_a_different_layout():
         plan.run(q, cache, idx, out=out, lse=lse, scratch=None, **kw)
 
 
+@pytest.mark.parametrize("T", [1, 300])
+def test_bound_run_follows_the_values_of_its_tensors(T):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, cache, idx, kw = _inputs(T=T, gen=gen)
+    out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(T, 16, device=DEV)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    bound = plan.bind(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=0.05, **kw)
+    graph = None
+    for step in range(3):
+        _refill(q, idx, kw, gen)
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        if step < 2:
+            result = bound.run()
+            assert result[0] is out and result[1] is lse
+        else:  # captured, then replayed with the values of this step
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                bound.run()
+            out.fill_(math.nan)
+            graph.replay()
+        eager_out, eager_lse = sparse_mla_decode(q, cache, idx, sm_scale=0.05, **kw)
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    check_against_reference(out, lse, *reference_decode(q, cache, idx, sm_scale=0.05, **kw))
+
+
+def test_bind_refuses_a_different_layout():
+    q, cache, idx, kw = _inputs(T=1)
+    out, lse = torch.empty(1, 16, 512, dtype=torch.bfloat16, device=DEV), torch.empty(1, 16, device=DEV)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    with pytest.raises(ValueError, match=r"DecodePlan.bind: q has shape \[1, 16, 256\]"):
+        plan.bind(q[..., :256], cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), **kw)
+    with pytest.raises(ValueError, match="DecodePlan.bind: scratch must be"):
+        plan.bind(q, cache, idx, out=out, lse=lse, **kw)
+    with pytest.raises(ValueError, match="sm_scale must be finite"):
+        plan.bind(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=math.inf, **kw)
+
+
 @pytest.mark.parametrize("T", [4, 300])
 def test_cuda_graph_replay_with_new_values_and_padding(T):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
