@@ -66,7 +66,7 @@ class PartialConfig:
         kv_tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
         raw = self.num_stages * self.stage_bytes
         s_exchange = self.num_warps * self.heads_per_group * self.block_n * 4  # per group: its warps' S tiles
-        slots = 2 * SLOT_BUFFERS * self.block_n * 4  # raw indices and checked slots
+        slots = SLOT_BUFFERS * (self.block_n * 4 + 4)  # raw indices and validity masks
         return kv_tile + raw + s_exchange + slots + 1024  # + alignment slack
 
     def check(self) -> None:
@@ -79,8 +79,8 @@ class PartialConfig:
             raise ValueError("heads_per_group must be 16 (one m16 MMA tile)")
         if self.head_groups not in (1, 2) or self.heads_per_cta > self.block_n:
             raise ValueError(f"head_groups {self.head_groups} must be 1 or 2 (Q is staged in the {self.block_n}-row KV tile)")
-        if self.block_n % 16 != 0 or not 16 <= self.block_n <= 64:
-            raise ValueError(f"block_n {self.block_n} must be 16, 32, 48 or 64")
+        if self.block_n != 32:
+            raise ValueError(f"block_n {self.block_n} must be 32 (one validity bit per lane of a warp)")
         if D_QK % (self.warps_per_group * 64) != 0:
             raise ValueError(f"warps_per_group {self.warps_per_group} must split {D_QK} into 64-wide slices")
         if self.block_n * (D_QK // 8) % self.num_threads != 0:

@@ -241,7 +241,7 @@ class SparseMlaPartialKernel:
             cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
             byte_alignment=16,
         )
-        sSlot = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
+        sMask = smem.allocate_tensor(Int32, cute.make_layout(SLOT_BUFFERS), byte_alignment=16)
         sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
         sQ = cute.make_tensor(sKV.iterator, q_layout)  # Q is staged in the KV tile first
         raw_base = sRaw.iterator.toint()
@@ -272,7 +272,7 @@ class SparseMlaPartialKernel:
         # ---- the first two chunks' indices (cp.async, in the same group as Q), then the
         # first chunk's rows
         ctx = SimpleNamespace(
-            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sSlot=sSlot, sIdx=sIdx, sidx_base=sidx_base,
+            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sMask=sMask, sIdx=sIdx, sidx_base=sidx_base,
             main_idx_row=main_idx_row, main_topk=main_topk, main_limit=main_limit, main_num_slots=main_num_slots,
             main_page=main_page, main_block_stride=main_block_stride, main_base=main_cache.toint(),
             extra_idx_row=extra_idx_row, extra_topk=extra_topk, extra_limit=extra_limit,
@@ -327,6 +327,7 @@ class SparseMlaPartialKernel:
         row_sum = cute.make_rmem_tensor(2, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
+        corr = cute.make_rmem_tensor(2, Float32)  # this chunk's O correction per row
 
         # ---- dequantization partition of the KV tile (thread owns one 8-column group)
         tXsKV = thr_store.partition_D(sKV)
@@ -367,6 +368,7 @@ class SparseMlaPartialKernel:
                 acc_S.store(acc_S.load() + tSsS[w].load())
 
             # online softmax in log2 units; invalid entries -> -inf
+            valid_rows = sMask[buf]
             acc_S_mn = self._mn_view(acc_S)
             tScS_mn = self._mn_view(tScS)
             acc_O_mn = self._mn_view(acc_O)
@@ -374,7 +376,7 @@ class SparseMlaPartialKernel:
                 for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                     col = tScS_mn[0, j][1]
                     s = acc_S_mn[r, j] * sm_scale_log2
-                    if sSlot[col, buf] < 0:
+                    if (valid_rows >> col) & 1 == 0:
                         s = -Float32.inf
                     acc_S_mn[r, j] = s
                 m_chunk = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
@@ -388,7 +390,12 @@ class SparseMlaPartialKernel:
                 acc_S_mn[r, None] = p
                 row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 row_max[r] = m_new
-                acc_O_mn[r, None] = acc_O_mn[r, None].load() * correction
+                corr[r] = correction
+            # rescale O only when a row max of this warp moved (after the first chunks it
+            # rarely does): a warp-uniform branch saves 64 multiplies per thread
+            if not cute.arch.vote_all_sync((corr[0] == 1.0) & (corr[1] == 1.0)):
+                for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr[r]
 
             # O_w += P V_w
             rP = cute.make_fragment_like(acc_S, BFloat16)
@@ -514,58 +521,69 @@ class SparseMlaPartialKernel:
 
     @cute.jit
     def _issue_rows(self, ctx: SimpleNamespace, c: Int32, stage: Int32, buf: Int32):
-        """Start the cp.async gather of chunk ``c``'s rows and scales. Its indices landed in
-        ``sIdx[:, buf]``; each is checked here and the slot (or -1) kept in ``sSlot[:, buf]``."""
-        bn, nthr, tidx, sSlot, sIdx = self.bn, self.nthr, ctx.tidx, ctx.sSlot, ctx.sIdx
+        """Start the cp.async gather of chunk ``c``'s rows and scales; its indices landed in
+        ``sIdx[:, buf]``. Warp 0 also records which entries count as a bit mask in
+        ``sMask[buf]`` (bit e: entry e is read), for the dequantization and the softmax.
+
+        The threads_per_row = num_threads / block_n consecutive threads of a row check its
+        index and locate it once (one division by the runtime page size per thread), then
+        issue every threads_per_row-th 16-byte piece: one warp-wide copy still covers 64
+        contiguous bytes of each of its rows."""
+        bn, tidx, sIdx, sMask = self.bn, ctx.tidx, ctx.sIdx, ctx.sMask
+        tpr = self.nthr // bn
+        pieces = ROW_BYTES // 16
         pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
-        pieces = ROW_BYTES // 16
-        total = bn * pieces  # 16-byte pieces of the chunk's rows, spread over the threads
-        for i in cutlass.range_constexpr((total + nthr - 1) // nthr):
-            p = tidx + i * nthr
-            e = p // pieces
-            piece = p - e * pieces
-            slot = Int32(-1)
-            if p < total:
-                slot = self._valid_slot(ctx, e, buf, pos0, limit, num_slots)
-            if slot >= 0:
-                blk = slot // page
-                off = slot - blk * page
-                gaddr = base + Int64(blk) * block_stride + Int64(off) * ROW_BYTES + piece * 16
-                src = cute.make_tensor(
-                    cute.make_ptr(Uint8, gaddr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(16)
-                )
-                dst = cute.make_tensor(
-                    cute.make_ptr(Uint8, stage_base + e * ROW_BYTES + piece * 16, cute.AddressSpace.smem, assumed_align=16),
-                    cute.make_layout(16),
-                )
-                cute.copy(ctx.g2s_16, src, dst)
-        if tidx < bn:
-            slot = self._valid_slot(ctx, tidx, buf, pos0, limit, num_slots)
-            sSlot[tidx, buf] = slot  # for the dequantization and the softmax mask of chunk c
-            if slot >= 0:
-                blk = slot // page
-                off = slot - blk * page
+        e = tidx // tpr
+        r = tidx - e * tpr
+        slot = self._valid_slot(ctx, e, buf, pos0, limit, num_slots)
+        if tidx < 32:  # warp 0: the validity mask (block_n == 32: one bit per lane)
+            e0 = tidx
+            valid = self._valid_slot(ctx, e0, buf, pos0, limit, num_slots) >= 0
+            mask = cute.arch.vote_ballot_sync(valid)
+            if tidx == 0:
+                sMask[buf] = mask
+        if slot >= 0:
+            blk = slot // page
+            off = slot - blk * page
+            row_addr = base + Int64(blk) * block_stride + Int64(off) * ROW_BYTES
+            for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
+                piece = r + k * tpr
+                if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
+                    self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * ROW_BYTES + piece * 16)
+                else:
+                    if piece < pieces:
+                        self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * ROW_BYTES + piece * 16)
+            if r == tpr - 1:  # the row's scales: by the thread with the fewest pieces
                 gaddr = base + Int64(blk) * block_stride + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
                 src = cute.make_tensor(
                     cute.make_ptr(Uint8, gaddr, cute.AddressSpace.gmem, assumed_align=8), cute.make_layout(8)
                 )
                 dst = cute.make_tensor(
-                    cute.make_ptr(Uint8, stage_base + self.scale_off + tidx * SCALE_BYTES, cute.AddressSpace.smem, assumed_align=8),
+                    cute.make_ptr(Uint8, stage_base + self.scale_off + e * SCALE_BYTES, cute.AddressSpace.smem,
+                                  assumed_align=8),
                     cute.make_layout(8),
                 )
                 cute.copy(ctx.g2s_8, src, dst)
 
     @cute.jit
+    def _copy_piece(self, ctx: SimpleNamespace, gaddr: Int64, saddr: Int32):
+        """cp.async of 16 bytes from global ``gaddr`` to shared ``saddr``."""
+        src = cute.make_tensor(cute.make_ptr(Uint8, gaddr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(16))
+        dst = cute.make_tensor(cute.make_ptr(Uint8, saddr, cute.AddressSpace.smem, assumed_align=16), cute.make_layout(16))
+        cute.copy(ctx.g2s_16, src, dst)
+
+    @cute.jit
     def _dequantize(self, ctx: SimpleNamespace, stage: Int32, buf: Int32):
         """Dequantize a landed raw stage into the bf16 KV tile (invalid entries -> rows of 0)."""
-        tXsKV, tXcKV, sSlot = ctx.tXsKV, ctx.tXcKV, ctx.sSlot
+        tXsKV, tXcKV, sMask = ctx.tXsKV, ctx.tXcKV, ctx.sMask
+        valid_rows = sMask[buf]
         stage_base = ctx.raw_base + stage * self.stage_bytes
         for i in cutlass.range_constexpr(cute.size(tXsKV, mode=[1])):
             row = tXcKV[(0, 0), i, 0][0]
             col = tXcKV[(0, 0), i, 0][1]
             dst = tXsKV[None, i, 0]
-            if sSlot[row, buf] < 0:
+            if (valid_rows >> row) & 1 == 0:
                 dst.fill(0.0)
             else:
                 if col < D_NOPE:
