@@ -19,9 +19,10 @@ _INT32_MAX = 2**31 - 1
 
 @functools.lru_cache(maxsize=None)
 def _device_target(index: int):
-    """(compile arch or None, SM count) of a CUDA device; read once per device."""
+    """(compile arch or None, SM count, shared memory per SM) of a CUDA device; read once."""
     props = torch.cuda.get_device_properties(index)
-    return arch_for_capability((props.major, props.minor)), props.multi_processor_count
+    return (arch_for_capability((props.major, props.minor)), props.multi_processor_count,
+            props.shared_memory_per_multiprocessor)
 
 
 # ---------------------------------------------------------------------- metadata of a call
@@ -172,6 +173,7 @@ class ValidatedCall:
     device_index: int
     arch: str | None
     num_sms: int
+    smem_per_sm: int
     launch_metadata: DecodeMetadata
 
     def pointers(self) -> dict:
@@ -258,7 +260,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     if device.type != "cuda":
         check.fail(f"the inputs are on {device}: the kernels run on CUDA devices only")
     device_index = device.index if device.index is not None else torch.cuda.current_device()
-    arch, num_sms = _device_target(device_index)
+    arch, num_sms, smem_per_sm = _device_target(device_index)
     if arch is None:
         check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
@@ -277,7 +279,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         extra_kv_cache=extra_kv_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         out=out, lse=lse, num_tokens=num_tokens, num_heads=num_heads, topk=idx.shape[-1], extra_topk=extra_topk,
         main=main, extra=extra, strides=strides, sm_scale=float(sm_scale), device_index=device_index, arch=arch,
-        num_sms=num_sms,
+        num_sms=num_sms, smem_per_sm=smem_per_sm,
         launch_metadata=dataclasses.replace(md, has_extra_topk_length=extra_lens is not None and extra_topk > 0),
     )
 

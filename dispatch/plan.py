@@ -21,13 +21,12 @@ import threading
 
 import torch
 
-from cute_kernels.sparse_mla_decode.config import PartialConfig
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 
 from . import loader
 from .launcher import BoundKernel, argument_kinds
 from .splits import plan_splits
-from .variants import heads_per_cta_for, variants_for
+from .variants import partial_shape_config, variants_for
 
 _LOG2_E = math.log2(math.e)
 _DEFAULT_SM_SCALE = 1.0 / math.sqrt(D_QK)
@@ -71,10 +70,13 @@ class DecodePlan:
         self.device_index = call.device_index
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
-        self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk,
-                                 heads_per_cta=heads_per_cta_for(call.num_heads), block_n=PartialConfig.block_n,
-                                 num_sms=call.num_sms)
-        self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits)
+        shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms)
+        self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
+                                 num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
+        if shape.head_groups > 1 and self.split.num_splits > 1:  # excluded by head_groups_for + plan_splits
+            raise RuntimeError(f"internal error: {self.split} with {shape.head_groups} head groups for "
+                               f"{call.launch_metadata}; please report it")
+        self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups)
         self.final = len(self.variants) == 1
         T, S, H = call.num_tokens, self.split.num_splits, call.num_heads
         self._o_part_bytes = 0 if self.final else T * S * H * D_V * 4

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from .metadata import DecodeMetadata
-from .variants import DEFAULT_PRECISION, KernelVariant, heads_per_cta_for, variants_for
+from .variants import DEFAULT_PRECISION, KernelVariant, partial_shape_config, variants_for
 
 PRECISIONS_SERVED = (DEFAULT_PRECISION,)
 
@@ -50,35 +50,35 @@ def _shapes() -> list[DeploymentShape]:
 DEPLOYMENT_SHAPES = tuple(_shapes())
 # num_tokens that reach decode: 1 token to prefill-sized calls (one split and several)
 DEPLOYMENT_NUM_TOKENS = (1, 2, 8, 64, 256, 4096)
-# SM counts of the targets: RTX PRO 6000 (188), RTX 5090 (170), DGX Spark GB10 (48), H200 (132)
-DEPLOYMENT_SM_COUNTS = (188, 170, 48, 132)
+# (SM count, shared memory per SM) of the targets: RTX PRO 6000, RTX 5090, DGX Spark GB10
+# (sm_120/121: 100 KB per SM) and the H200 test GPU (228 KB per SM)
+DEPLOYMENT_GPUS = ((188, 102400), (170, 102400), (48, 102400), (132, 233472))
 
 
 def registry_calls():
-    """Every (metadata, num_splits) the deployment grid produces on the deployment GPUs."""
+    """Every (metadata, num_splits, head_groups) the deployment grid produces on the deployment GPUs."""
     from .splits import plan_splits
-    from cute_kernels.sparse_mla_decode.config import PartialConfig
 
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
         has_len, has_extra_len, has_sink = flags
         if has_extra_len and shape.extra_topk == 0:
             continue
-        for T, sms in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS):
+        for T, (sms, smem_per_sm) in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_GPUS):
             md = DecodeMetadata(num_tokens=T, num_heads=shape.num_heads, d_qk=512, topk=shape.topk,
                                 page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
                                 has_extra_topk_length=has_extra_len, has_sink=has_sink)
-            plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk,
-                               heads_per_cta=heads_per_cta_for(shape.num_heads), block_n=PartialConfig.block_n,
-                               num_sms=sms)
-            yield md, plan.num_splits
+            cfg = partial_shape_config(shape.num_heads, T, sms)
+            plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk, cfg=cfg, num_sms=sms,
+                               smem_per_sm=smem_per_sm)
+            yield md, plan.num_splits, cfg.head_groups
 
 
 def registry_variants(arch: str) -> list[KernelVariant]:
     """The variants the AOT build compiles for ``arch``, in a stable order."""
     found = {}
-    for md, splits in registry_calls():
+    for md, splits, head_groups in registry_calls():
         for precision in PRECISIONS_SERVED:
-            for v in variants_for(md, arch, splits, precision=precision):
+            for v in variants_for(md, arch, splits, head_groups, precision=precision):
                 found.setdefault(v.name, v)
     return [found[name] for name in sorted(found)]

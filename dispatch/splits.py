@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cute_kernels.sparse_mla_decode.config import MergeConfig
+from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 
 # One chunk (32 entries) per split when the grid needs splits at all: measured on the H200
 # (scripts/bench.py, 2026-11-29) T=1 went from 17.9-20.4 us to 13.3-19.2 us against a
 # minimum of 2 chunks, and no shape of the grid got slower beyond noise (< 1%).
 MIN_CHUNKS_PER_SPLIT = 1
-CTAS_PER_SM_TARGET = 2
 # The merge kernel combines at most this many splits (one of its threads per split).
 MAX_SPLITS = MergeConfig().max_splits
+# The partial kernels use up to this many registers per thread (sm_120a: 197-254, see
+# `python scripts/aot_build.py --report`); with it, what an SM can hold at once.
+MAX_REGISTERS_PER_THREAD = 255
+REGISTERS_PER_SM = 65536
+DRIVER_SMEM_PER_CTA = 1024
 
 
 @dataclass(frozen=True)
@@ -22,12 +26,27 @@ class SplitPlan:
     num_splits: int
 
 
-def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, heads_per_cta: int,
-                block_n: int, num_sms: int) -> SplitPlan:
-    """Split each token's chunks so that the grid has about ``CTAS_PER_SM_TARGET`` CTAs per SM
-    (and no more than ``MAX_SPLITS`` splits)."""
+def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
+    """How many partial-kernel CTAs of ``cfg`` one SM holds at once (registers, shared memory).
+
+    On sm_120 (100 KB of shared memory per SM) that is 1 for every configuration; on the
+    H200 (228 KB) 2 with one head group and 1 with two (registers)."""
+    by_registers = REGISTERS_PER_SM // (MAX_REGISTERS_PER_THREAD * cfg.num_threads)
+    by_smem = smem_per_sm // (cfg.smem_bytes() + DRIVER_SMEM_PER_CTA)
+    return max(1, min(by_registers, by_smem))
+
+
+def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, cfg: PartialConfig,
+                num_sms: int, smem_per_sm: int) -> SplitPlan:
+    """Split each token's chunks so that the grid fills the GPU once: about as many CTAs as
+    the SMs hold at once (``resident_ctas_per_sm``), and no more than ``MAX_SPLITS`` splits.
+
+    One wave rather than several: a CTA with more chunks overlaps the gather of each chunk
+    with the work on the previous one, and the merge has fewer splits to combine."""
+    block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
-    base_ctas = num_tokens * -(-num_heads // heads_per_cta)
-    wanted = min(max(1, -(-(CTAS_PER_SM_TARGET * num_sms) // base_ctas)), MAX_SPLITS)
+    base_ctas = num_tokens * -(-num_heads // cfg.heads_per_cta)
+    slots = resident_ctas_per_sm(cfg, smem_per_sm) * num_sms
+    wanted = min(max(1, slots // base_ctas), MAX_SPLITS)  # rounded down: never a second wave
     per_split = max(-(-num_chunks // wanted), min(MIN_CHUNKS_PER_SPLIT, num_chunks))
     return SplitPlan(num_chunks, per_split, -(-num_chunks // per_split))

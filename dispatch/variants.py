@@ -11,7 +11,7 @@ is a runtime argument, so the set of variants is small and closed:
 A call whose work needs one split runs the partial kernel in final mode (it writes out
 and lse itself); otherwise the partial kernel writes per-split partials and the merge
 kernel combines them. ``variant_space(arch)`` enumerates the set;
-``variants_for(metadata, arch, num_splits)`` picks from it.
+``variants_for(metadata, arch, num_splits, head_groups)`` picks from it.
 """
 
 from __future__ import annotations
@@ -42,23 +42,29 @@ class KernelVariant:
         return f"{self.config.name}_{self.arch}"
 
 
-def head_groups_for(num_heads: int) -> int:
-    """16-head groups per CTA: two once there are more than 16 heads, so that each gathered and
-    dequantized row serves 32 heads (measured: see BENCHMARKS.md); one otherwise, so that 16 or
-    fewer heads do not pay for 32."""
-    return 2 if num_heads > 16 else 1
+def head_groups_for(num_heads: int, num_tokens: int, num_sms: int) -> int:
+    """16-head groups per CTA. Two when there are more than 16 heads and the call has work
+    for more than one CTA per SM at 16 heads per CTA: each gathered and dequantized row then
+    serves 32 heads (measured: see BENCHMARKS.md). One otherwise: 16 or fewer heads do not
+    pay for 32, and a small call (latency-bound) gets more, lighter CTAs."""
+    if num_heads <= 16 or num_tokens * -(-num_heads // 16) <= num_sms:
+        return 1
+    return 2
 
 
-def heads_per_cta_for(num_heads: int) -> int:
-    return PartialConfig(head_groups=head_groups_for(num_heads)).heads_per_cta
+def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int) -> PartialConfig:
+    """The partial kernel's shape fields (head groups, block_n, warps) for a call: what the
+    split plan depends on (the flags of a variant do not change its resources)."""
+    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms))
 
 
-def variants_for(md: DecodeMetadata, arch: str, num_splits: int,
+def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: int,
                  precision: str = DEFAULT_PRECISION) -> tuple[KernelVariant, ...]:
-    """The variants to launch, in order, for the call described by ``md`` split ``num_splits`` ways."""
+    """The variants to launch, in order, for the call described by ``md``, split
+    ``num_splits`` ways with ``head_groups`` 16-head groups per CTA (``head_groups_for``)."""
     final = num_splits == 1
     partial = PartialConfig(
-        head_groups=head_groups_for(md.num_heads),
+        head_groups=head_groups,
         has_topk_length=md.has_topk_length,
         has_extra_topk_length=md.has_extra_topk_length,
         final_output=final,
@@ -75,10 +81,13 @@ _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sin
 
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``."""
+    # Two head groups are chosen only when 16-head CTAs would already fill the GPU, so their
+    # grid never needs splits (splits.py fills one wave at most): no partial-output variant.
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p), arch)
         for p, g, a, b, (f, s) in itertools.product(PRECISIONS, (1, 2), (False, True), (False, True), _MODES)
+        if g == 1 or f
     ]
     out += [KernelVariant(MergeConfig(has_sink=s), arch) for s in (False, True)]
     return out

@@ -16,7 +16,7 @@ import torch
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import sparse_mla_decode
 from dispatch.splits import plan_splits
-from dispatch.variants import heads_per_cta_for
+from dispatch.variants import partial_shape_config
 from tests.dsv4_inputs import make_cache, make_indices
 from tests.tolerances import LSE_ABS_MAX, OUT_REL_L2_MAX
 
@@ -186,11 +186,12 @@ def test_decode_matches_reference(case: Case):
     torch.cuda.synchronize()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
         "two runs on the same inputs differ: a race"
-    plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, heads_per_cta=heads_per_cta_for(case.H),
-                       block_n=32,
-                       num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
+    props = torch.cuda.get_device_properties(device)
+    cfg = partial_shape_config(case.H, case.T, props.multi_processor_count)
+    plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, cfg=cfg,
+                       num_sms=props.multi_processor_count, smem_per_sm=props.shared_memory_per_multiprocessor)
     rel, lse_err = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse)
-    ACCURACY.append((f"splits={plan.num_splits} {case}", rel, lse_err))
+    ACCURACY.append((f"groups={cfg.head_groups} splits={plan.num_splits} {case}", rel, lse_err))
 
 
 def test_allocates_outputs_with_leading_shape():

@@ -10,8 +10,8 @@ import torch
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from dispatch import InvalidDecodeInput, sparse_mla_decode
 from dispatch.metadata import MODEL_TYPE, DecodeMetadata
-from dispatch.splits import MAX_SPLITS, plan_splits
-from dispatch.variants import variant_space, variants_for
+from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm
+from dispatch.variants import head_groups_for, partial_shape_config, variant_space, variants_for
 from tests.dsv4_inputs import make_cache, make_indices
 
 
@@ -19,10 +19,10 @@ def test_variant_keys_follow_the_metadata():
     for a, b, s in itertools.product((False, True), repeat=3):
         md = DecodeMetadata(num_tokens=3, num_heads=8, d_qk=512, topk=192, page_block_size=64, extra_topk=512,
                             has_topk_length=a, has_extra_topk_length=b, has_sink=s)
-        partial, merge = variants_for(md, "sm_120a", num_splits=3)
+        partial, merge = variants_for(md, "sm_120a", num_splits=3, head_groups=1)
         assert partial.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b)  # 8 heads: one group
         assert merge.config == MergeConfig(has_sink=s)
-        (final,) = variants_for(md, "sm_120a", num_splits=1)  # one split: no merge, sink in the epilogue
+        (final,) = variants_for(md, "sm_120a", num_splits=1, head_groups=1)  # one split: no merge, sink in the epilogue
         assert final.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b, final_output=True,
                                              has_sink=s)
         space = variant_space("sm_120a")
@@ -30,14 +30,24 @@ def test_variant_keys_follow_the_metadata():
 
 
 def test_shapes_do_not_reach_the_key():
-    """num_tokens, topk, extra_topk and page sizes are runtime values; num_heads reaches the key only
-    through the number of 16-head groups per CTA (1 up to 16 heads, 2 above)."""
+    """num_tokens, topk, extra_topk and page sizes are runtime values; num_heads and num_tokens
+    reach the key only through the number of 16-head groups per CTA (``head_groups_for``)."""
     keys = {}
     for T, H, topk, extra, page in itertools.product((1, 65), (1, 8, 16, 17, 64, 128), (1, 100, 1152), (0, 8192),
                                                     (2, 64, 256)):
         md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page, extra_topk=extra)
-        keys.setdefault(H > 16, set()).add((variants_for(md, "sm_120a", 1), variants_for(md, "sm_120a", 4)))
-    assert len(keys[False]) == 1 and len(keys[True]) == 1 and keys[False] != keys[True]
+        groups = head_groups_for(H, T, num_sms=188)
+        keys.setdefault(groups, set()).add((variants_for(md, "sm_120a", 1, groups),
+                                            variants_for(md, "sm_120a", 4, groups)))
+    assert len(keys[1]) == 1 and len(keys[2]) == 1 and keys[1] != keys[2]
+
+
+def test_head_groups_follow_heads_and_load():
+    assert head_groups_for(16, 4096, 188) == 1  # 16 heads or fewer: one group
+    assert head_groups_for(128, 1, 188) == 1  # 8 CTAs of 16 heads: latency-bound, lighter CTAs
+    assert head_groups_for(64, 47, 188) == 1  # 188 CTAs of 16 heads: one per SM
+    assert head_groups_for(64, 48, 188) == 2  # more: each gathered row serves 32 heads
+    assert head_groups_for(17, 200, 188) == 2
 
 
 def test_variant_names_hold_every_code_generating_field():
@@ -62,12 +72,13 @@ def _another(value):
                                             (7, 1, 1, 0), (64, 64, 512, 512), (4096, 8, 100, 33),
                                             (1, 8, 8192, 8192)])
 def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
-    plan = plan_splits(T, H, topk, extra, heads_per_cta=16, block_n=32, num_sms=188)
+    cfg = partial_shape_config(H, T, 188)
+    plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=188, smem_per_sm=102400)
     assert plan.num_chunks == math.ceil(topk / 32) + math.ceil(extra / 32)
     assert 1 <= plan.num_splits <= MAX_SPLITS  # the merge kernel has one thread per split
     assert plan.num_splits * plan.chunks_per_split >= plan.num_chunks
     assert (plan.num_splits - 1) * plan.chunks_per_split < plan.num_chunks
-    if T * math.ceil(H / 16) >= 2 * 188:
+    if T * math.ceil(H / cfg.heads_per_cta) >= 188:  # sm_120: one CTA per SM
         assert plan.num_splits == 1
 
 
@@ -160,3 +171,12 @@ def test_readme_table_lists_every_refusal():
     rows = [ln for ln in text.splitlines() if ln.startswith("| `") and ln.count("|") == 4]
     table = {ln.split("|")[2].strip(): ln.split("|")[3].strip().strip("`") for ln in rows}
     assert table == {name: message for name, _, _, message in BAD}
+
+
+def test_resident_ctas_per_sm():
+    """sm_120 (100 KB of shared memory per SM) holds one partial CTA of either shape; the H200
+    (228 KB) two of the one-group shape and one of the two-group shape (registers)."""
+    one, two = PartialConfig(head_groups=1), PartialConfig(head_groups=2)
+    assert resident_ctas_per_sm(one, 102400) == resident_ctas_per_sm(two, 102400) == 1
+    assert resident_ctas_per_sm(one, 233472) == 2
+    assert resident_ctas_per_sm(two, 233472) == 1
