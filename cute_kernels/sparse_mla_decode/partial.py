@@ -29,6 +29,23 @@ writes the bf16 output and the natural-log lse itself, sink applied, and no merg
 Inputs are raw device pointers plus integer strides, so one compiled kernel serves every
 shape: nothing about num_tokens, num_heads, topk, extra_topk or the page block sizes is
 baked into the code.
+
+Measured facts (H200, sm_90a build of this source; BENCHMARKS.md has the runs):
+- The 64/128-head shapes are bound by instruction issue, not by the gathers: ncu at T=64,
+  H=64, topk=512 (8 warps per SM: the kernel needs 197-255 registers) shows the issue
+  slots 26% busy; per issued instruction a warp waits 1.7 cycles on shared-memory results
+  (short scoreboard), 1.6 on fixed-latency dependencies, 1.6 on the shared-memory
+  instruction queue (MIO throttle), 0.5 on barriers and 0.26 on global memory.
+- So instructions per chunk are what to cut: locating a row once per thread group instead
+  of per 16-byte piece (integer division by the runtime page size), one ballot mask per
+  chunk for entry validity and skipping the O rescale when no row max moved took the main
+  loop from 1273 to 1032 SASS instructions per thread (sm_120a) and T=64 x 16 x 1024 from
+  73 to 58 us.
+- Loading the next-next chunk's indices by cp.async instead of a plain load the loop waits
+  on gained 4-6% at T >= 64 (global latency was not the main stall).
+- Remaining per chunk and thread (sm_120a, two head groups): 64 HMMA, ~160 shared-memory
+  instructions (dequantization loads and stores, the S exchange between the four warps of
+  a group, ldmatrix), ~240 for the FP8 -> bf16 dequantization arithmetic.
 """
 
 from __future__ import annotations
