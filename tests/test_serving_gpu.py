@@ -42,6 +42,15 @@ def _refill(q, idx, kw, gen):
         kw["topk_length"].copy_(torch.randint(0, idx.shape[1] + 1, (idx.shape[0],), generator=gen).int())
 
 
+def _planned(T):
+    """Fresh inputs for T tokens and 16 heads, outputs, and a plan for them."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, cache, idx, kw = _inputs(T=T, gen=gen)
+    out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(T, 16, device=DEV)
+    return gen, q, cache, idx, kw, out, lse, plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+
+
 @pytest.mark.parametrize("T", [1, 300])  # several splits + merge, and one split (final mode)
 def test_plan_run_equals_one_shot(T):
     q, cache, idx, kw = _inputs(T=T)
@@ -76,11 +85,7 @@ def test_plan_run_refuses_a_different_layout():
 
 @pytest.mark.parametrize("T", [1, 300])
 def test_bound_run_follows_the_values_of_its_tensors(T):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    q, cache, idx, kw = _inputs(T=T, gen=gen)
-    out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device=DEV)
-    lse = torch.empty(T, 16, device=DEV)
-    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    gen, q, cache, idx, kw, out, lse, plan = _planned(T)
     bound = plan.bind(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=0.05, **kw)
     graph = None
     for step in range(3):
@@ -116,11 +121,7 @@ def test_bind_refuses_a_different_layout():
 
 @pytest.mark.parametrize("T", [4, 300])
 def test_cuda_graph_replay_with_new_values_and_padding(T):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    q, cache, idx, kw = _inputs(T=T, gen=gen)
-    out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device=DEV)
-    lse = torch.empty(T, 16, device=DEV)
-    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    gen, q, cache, idx, kw, out, lse, plan = _planned(T)
     scratch = plan.new_scratch()
     plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)  # warm up outside the capture
     torch.cuda.synchronize()
