@@ -49,9 +49,6 @@ class Bind:
     def __init__(self, key: str, offset: int = 0):
         self.key, self.offset = key, offset
 
-    def resolve(self, values: dict):
-        return values[self.key] + self.offset
-
 
 # run()'s tensor arguments, in its signature order: (argument name, address key in the bindings)
 _RUN_TENSORS = (("q", "q"), ("kv_cache", "main"), ("indices", "indices"), ("topk_length", "topk_length"),
