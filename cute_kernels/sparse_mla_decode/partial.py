@@ -37,15 +37,17 @@ Measured facts (H200, sm_90a build of this source; BENCHMARKS.md has the runs):
   (short scoreboard), 1.6 on fixed-latency dependencies, 1.6 on the shared-memory
   instruction queue (MIO throttle), 0.5 on barriers and 0.26 on global memory.
 - So instructions per chunk are what to cut: locating a row once per thread group instead
-  of per 16-byte piece (integer division by the runtime page size), one ballot mask per
-  chunk for entry validity and skipping the O rescale when no row max moved took the main
-  loop from 1273 to 1032 SASS instructions per thread (sm_120a) and T=64 x 16 x 1024 from
-  73 to 58 us.
+  of per 16-byte piece (integer division by the runtime page size) and one ballot mask per
+  chunk for entry validity took T=64 x 16 x 1024 from 73 to 58 us. Skipping the O rescale
+  when no row max of the warp moved (a vote.all branch) made it worse: ptxas if-converts
+  it into predicated multiplies plus ~80 register moves around the PV MMAs; the plain
+  rescale gives 965 instead of 1040 loop instructions (sm_120a, two groups, final mode).
 - Loading the next-next chunk's indices by cp.async instead of a plain load the loop waits
   on gained 4-6% at T >= 64 (global latency was not the main stall).
-- Remaining per chunk and thread (sm_120a, two head groups): 64 HMMA, ~160 shared-memory
-  instructions (dequantization loads and stores, the S exchange between the four warps of
-  a group, ldmatrix), ~240 for the FP8 -> bf16 dequantization arithmetic.
+- Remaining per chunk and thread (sm_120a, two head groups): 965 instructions, of them 64
+  HMMA, ~160 shared-memory instructions (dequantization loads and stores, the S exchange
+  between the four warps of a group, ldmatrix), ~280 for the FP8 -> bf16 dequantization
+  (about 35 per 8 values).
 """
 
 from __future__ import annotations
@@ -344,7 +346,6 @@ class SparseMlaPartialKernel:
         row_sum = cute.make_rmem_tensor(2, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        corr = cute.make_rmem_tensor(2, Float32)  # this chunk's O correction per row
 
         # ---- dequantization partition of the KV tile (thread owns one 8-column group)
         tXsKV = thr_store.partition_D(sKV)
@@ -407,12 +408,7 @@ class SparseMlaPartialKernel:
                 acc_S_mn[r, None] = p
                 row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 row_max[r] = m_new
-                corr[r] = correction
-            # rescale O only when a row max of this warp moved (after the first chunks it
-            # rarely does): a warp-uniform branch saves 64 multiplies per thread
-            if not cute.arch.vote_all_sync((corr[0] == 1.0) & (corr[1] == 1.0)):
-                for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr[r]
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * correction
 
             # O_w += P V_w
             rP = cute.make_fragment_like(acc_S, BFloat16)
