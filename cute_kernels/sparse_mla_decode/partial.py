@@ -69,6 +69,9 @@ from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
 
 
 
+DEQUANT_VALUES = 16  # columns one thread dequantizes at a time (divides the 64-column scale tile)
+
+
 def _bits_to_f32(bits: Int32) -> Float32:
     """Reinterpret the bits of an Int32 as a Float32."""
     return Float32(llvm.bitcast(Float32.mlir_type, bits.ir_value()))
@@ -164,6 +167,14 @@ class SparseMlaPartialKernel:
             cute.make_layout((self.nthr // 64, 64), stride=(64, 1)),
             cute.make_layout((1, 8)),
         )
+        # the dequantization's pieces of DEQUANT_VALUES columns: threads (nthr/32, 32), values
+        # (1, 16): one 16-byte load of FP8 and one scale per piece, two 16-byte stores
+        tiled_dequant = cute.make_tiled_copy_tv(
+            store_atom,
+            cute.make_layout((self.nthr // (D_QK // DEQUANT_VALUES), D_QK // DEQUANT_VALUES),
+                             stride=(D_QK // DEQUANT_VALUES, 1)),
+            cute.make_layout((1, DEQUANT_VALUES)),
+        )
         head_blocks = (num_heads + self.hb - 1) // self.hb
         self.kernel(
             q, q_stride_t, q_stride_h, num_heads,
@@ -173,7 +184,7 @@ class SparseMlaPartialKernel:
             extra_idx, extra_idx_stride, extra_topk, extra_len,
             sm_scale_log2, chunks_per_split, num_splits, o_part, lse_part,
             out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h, attn_sink,
-            kv_layout, q_layout, tiled_mma, tiled_store,
+            kv_layout, q_layout, tiled_mma, tiled_store, tiled_dequant,
         ).launch(
             grid=(num_tokens, head_blocks, num_splits),
             block=(self.nthr, 1, 1),
@@ -221,6 +232,7 @@ class SparseMlaPartialKernel:
         q_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
         tiled_store: cute.TiledCopy,
+        tiled_dequant: cute.TiledCopy,
     ):
         bn, hb, hg = self.bn, self.hb, self.hg
         if const_expr(not self.cfg.final_output):
@@ -348,8 +360,9 @@ class SparseMlaPartialKernel:
         row_sum.fill(0.0)
 
         # ---- dequantization partition of the KV tile (thread owns one 8-column group)
-        tXsKV = thr_store.partition_D(sKV)
-        tXcKV = thr_store.partition_D(cute.make_identity_tensor((bn, D_QK)))
+        thr_deq = tiled_dequant.get_slice(tidx)
+        tXsKV = thr_deq.partition_D(sKV)
+        tXcKV = thr_deq.partition_D(cute.make_identity_tensor((bn, D_QK)))
 
         ctx.tXsKV = tXsKV
         ctx.tXcKV = tXcKV
@@ -379,7 +392,10 @@ class SparseMlaPartialKernel:
             for w in cutlass.range_constexpr(self.wpg):
                 if wq == w:
                     cute.autovec_copy(acc_S, tSsS[w])
-            cute.arch.sync_threads()
+            if const_expr(self.groups > 1):  # only the group's own warps exchange S
+                cute.arch.barrier(barrier_id=1 + group, number_of_threads=32 * self.wpg)
+            else:
+                cute.arch.sync_threads()
             # full S = sum of the warps' slices, in a fixed order (identical in every warp)
             acc_S.store(tSsS[0].load())
             for w in cutlass.range_constexpr(1, self.wpg):
@@ -601,8 +617,8 @@ class SparseMlaPartialKernel:
             else:
                 if col < D_NOPE:
                     f8 = cute.make_tensor(
-                        cute.make_ptr(Float8E4M3FN, stage_base + row * ROW_BYTES + col, cute.AddressSpace.smem, assumed_align=8),
-                        cute.make_layout(8),
+                        cute.make_ptr(Float8E4M3FN, stage_base + row * ROW_BYTES + col, cute.AddressSpace.smem, assumed_align=16),
+                        cute.make_layout(DEQUANT_VALUES),
                     )
                     sb = cute.make_tensor(
                         cute.make_ptr(Uint8, stage_base + self.scale_off + row * SCALE_BYTES + col // TILE, cute.AddressSpace.smem, assumed_align=1),
@@ -615,7 +631,7 @@ class SparseMlaPartialKernel:
                 else:
                     rope = cute.make_tensor(
                         cute.make_ptr(BFloat16, stage_base + row * ROW_BYTES + D_NOPE + (col - D_NOPE) * 2, cute.AddressSpace.smem, assumed_align=16),
-                        cute.make_layout(8),
+                        cute.make_layout(DEQUANT_VALUES),
                     )
                     dst.store(rope.load())
 
