@@ -49,8 +49,8 @@ Measured facts (H200, sm_90a build of this source; BENCHMARKS.md has the runs):
   instructions, every bench shape 1-6% faster.
 - Remaining per chunk and thread (sm_120a, two head groups): 921 instructions, of them 64
   HMMA, ~154 shared-memory instructions (dequantization loads and stores, the S exchange
-  between the four warps of a group, ldmatrix), ~30 per 16 values of FP8 -> bf16
-  arithmetic (unpack, widen, scale, pack).
+  between the four warps of a group, ldmatrix) and ~50 per 16 values for FP8 -> bf16 (8
+  unpacks to f16x2, 16 widenings to f32, 16 scale multiplies, 8 packs, loads, the scale).
 """
 
 from __future__ import annotations
