@@ -76,3 +76,65 @@ def inspect_cubin(cubin: bytes) -> list[CubinReport]:
         r.mma_counts = dict(counts)
         r.forbidden = forbidden
     return reports
+
+
+@dataclass
+class LoopMix:
+    """The instructions of one loop body in the SASS (static count: one pass through it)."""
+
+    instructions: int
+    mma: int
+    shared_memory: int  # LDS*, STS*, LDSM*, LDGSTS (cp.async)
+    barriers: int
+
+
+_SHARED_MEMORY_OPS = ("LDS", "STS", "LDSM", "LDGSTS")
+
+
+def mma_loop_mix(sass: str) -> LoopMix:
+    """The innermost loop of ``sass`` (``nvdisasm -c`` text of one kernel) that holds every
+    MMA instruction: the main loop of this project's partial kernel, one chunk per pass."""
+    label_addr, body, pending = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if ins:
+            addr = int(ins.group(1), 16)
+            for name in pending:
+                label_addr[name] = addr
+            pending = []
+            body.append((addr, ins.group(2).strip()))
+    mma = [a for a, t in body if re.search(r"\b[A-Z]*MMA\b|\b[A-Z]*MMA\.", t)]
+    if not mma:
+        raise ValueError("no MMA instruction in this SASS")
+    loops = []
+    for addr, text in body:
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        if target and label_addr.get(target.group(1), addr + 1) <= addr:  # a backward branch
+            start = label_addr[target.group(1)]
+            if start <= min(mma) and addr >= max(mma):
+                loops.append((addr - start, start, addr))
+    if not loops:
+        raise ValueError("no loop holds every MMA instruction")
+    _, start, end = min(loops)
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in body if start <= a <= end]
+    return LoopMix(
+        instructions=len(ops),
+        mma=sum(1 for o in ops if re.match(r"[A-Z]*MMA\b|[A-Z]*MMA\.", o)),
+        shared_memory=sum(1 for o in ops if o.split(".")[0] in _SHARED_MEMORY_OPS),
+        barriers=sum(1 for o in ops if o.startswith("BAR.")),
+    )
+
+
+def disassemble(cubin: bytes) -> str:
+    """``nvdisasm -c`` text of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)

@@ -1,0 +1,143 @@
+"""ESTIMATE of the decode times on an RTX PRO 6000 Blackwell (sm_120), from the sm_120a SASS.
+
+    python scripts/sm120_forecast.py [--h200-json bench.json]
+
+No SM120 GPU has run these kernels: every number this prints for it is a model, not a
+measurement. The model, per shape of scripts/bench.py's grid:
+
+    time = FIXED_US + max(issue_us, memory_us)
+
+- issue_us: the partial kernel is bound by instruction issue on the H200 (ncu: issue slots
+  26% busy, see BENCHMARKS.md). Per SM it issues (CTAs per SM) x (chunks per CTA) x (warps
+  per CTA) x (main-loop instructions per thread and chunk, counted in the sm_120a SASS of
+  the shipped kernel); at ISSUE_RATE warp-instructions per scheduler and cycle, 4
+  schedulers per SM, the device's boost clock. The split and the head groups are the ones
+  the dispatch picks for that device (dispatch/splits.py, dispatch/variants.py).
+- memory_us: the bytes gathered (584 per selected entry, once per CTA head block) at the
+  device's peak memory bandwidth: a lower bound that only matters if it exceeds issue_us.
+- FIXED_US: the shortest call measured on the H200 (launches, the dependent index -> row
+  load chain, the merge), taken as the same on SM120.
+
+With ``--h200-json`` (a scripts/bench.py --json file) the same model is also evaluated for
+the H200 and printed next to the H200 measurement: how far the model is off where it can be
+checked.
+
+Where it is most likely wrong: ISSUE_RATE was measured with 8 warps per SM. On sm_120 one
+CTA fills an SM's shared memory, so a 16-head CTA (4 warps) runs alone: fewer warps to hide
+latency, a lower issue rate, so the 16-head and small-call estimates are optimistic. Random
+584-byte gathers from GDDR7 reach less than its peak bandwidth, so memory_us is a floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cute_kernels.sparse_mla_decode.config import PartialConfig  # noqa: E402
+from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES  # noqa: E402
+from dispatch.splits import plan_splits  # noqa: E402
+from dispatch.variants import partial_shape_config  # noqa: E402
+
+ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
+FIXED_US = 11.4  # the fastest call of the H200 bench at 08710b7 (1 x 16 x 128)
+SCHEDULERS_PER_SM = 4
+BLOCK_N = PartialConfig.block_n
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    num_sms: int
+    clock_ghz: float  # boost clock
+    memory_gbs: float
+    smem_per_sm: int
+
+
+# published specifications (boost clock, memory bandwidth); shared memory per SM as the
+# CUDA runtime reports it for the architecture
+RTX_PRO_6000 = Device("RTX PRO 6000 Blackwell (sm_120)", 188, 2.617, 1792.0, 102400)
+H200 = Device("H200 (model check)", 132, 1.98, 4800.0, 233472)
+
+GRID = [(T, H, s) for T in (1, 8, 64, 256) for H in (16, 64, 128) for s in ("128", "512", "1024", "128+512")]
+
+
+def loop_instructions() -> dict:
+    """Main-loop instructions per thread and chunk of the shipped partial kernel (sm_120a),
+    for one and two head groups, counted in the SASS (compiles two variants)."""
+    os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_forecast_"))
+    from cute_kernels.sass_check import disassemble, mma_loop_mix
+    from dispatch.loader import compile_variant
+    from dispatch.variants import KernelVariant
+
+    out = {}
+    for groups in (1, 2):
+        variant = KernelVariant(PartialConfig(head_groups=groups, final_output=True), "sm_120a")
+        compiled = compile_variant(variant, keep_cubin=True)
+        out[groups] = mma_loop_mix(disassemble(compiled.artifacts.CUBIN)).instructions
+    return out
+
+
+def entries(shape: str) -> tuple[int, int]:
+    main, _, extra = shape.partition("+")
+    return int(main), int(extra or 0)
+
+
+def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict) -> tuple[float, float, float]:
+    """(estimate, issue_us, memory_us) for one shape on ``dev``."""
+    topk, extra = entries(shape)
+    cfg = partial_shape_config(H, T, dev.num_sms)
+    split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
+    head_blocks = -(-H // cfg.heads_per_cta)
+    ctas = T * head_blocks * split.num_splits
+    ctas_per_sm = math.ceil(ctas / dev.num_sms)
+    warp_instructions = ctas_per_sm * split.chunks_per_split * cfg.num_warps * instrs[cfg.head_groups]
+    issue_us = warp_instructions / (SCHEDULERS_PER_SM * ISSUE_RATE * dev.clock_ghz * 1e3)
+    gathered = T * head_blocks * (topk + extra) * TOKEN_BYTES
+    memory_us = gathered / (dev.memory_gbs * 1e3)
+    return FIXED_US + max(issue_us, memory_us), issue_us, memory_us
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--h200-json", help="a scripts/bench.py --json file: check the model against it")
+    args = ap.parse_args(argv)
+    instrs = loop_instructions()
+    measured = {}
+    if args.h200_json:
+        for row in json.loads(Path(args.h200_json).read_text())["rows"]:
+            measured[(row["T"], row["H"], row["topk"])] = row["us"]
+    print(f"ESTIMATE, not a measurement: {RTX_PRO_6000.name}, {RTX_PRO_6000.num_sms} SMs, "
+          f"{RTX_PRO_6000.clock_ghz} GHz, {RTX_PRO_6000.memory_gbs:.0f} GB/s; main loop "
+          f"{instrs[1]} / {instrs[2]} instructions per thread and chunk (16 / 32 heads per CTA, "
+          f"sm_120a SASS); issue rate {ISSUE_RATE}, fixed {FIXED_US} us (H200 measurements)")
+    head = f"{'T':>4} {'H':>4} {'topk':>8} {'est. us':>8} {'issue us':>9} {'memory us':>10}"
+    if measured:
+        head += f" {'H200 model':>11} {'H200 measured':>14} {'model/meas.':>12}"
+    print(head)
+    errors = []
+    for T, H, shape in GRID:
+        est, issue, mem = model_us(T, H, shape, RTX_PRO_6000, instrs)
+        line = f"{T:>4} {H:>4} {shape:>8} {est:>8.1f} {issue:>9.1f} {mem:>10.2f}"
+        if (T, H, shape) in measured:
+            h200 = model_us(T, H, shape, H200, instrs)[0]
+            ratio = h200 / measured[(T, H, shape)]
+            errors.append(abs(math.log(ratio)))
+            line += f" {h200:>11.1f} {measured[(T, H, shape)]:>14.1f} {ratio:>12.2f}"
+        print(line)
+    if errors:
+        errors.sort()
+        print(f"model vs H200 measurement: median |log ratio| {errors[len(errors) // 2]:.2f}, "
+              f"worst {errors[-1]:.2f} (0.10 ~ 10%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The SASS readers of cute_kernels.sass_check, on hand-written SASS (no compiler needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cute_kernels.sass_check import mma_loop_mix
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDS R2, [R3] ;
+.L_x_1:
+        /*0020*/                   LDSM.16.M88.4 R8, [R3] ;
+        /*0030*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0040*/              @P1 BRA `(.L_x_1) ;
+        /*0050*/                   STS.128 [R5], R8 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R4, R8, R14, R4 ;
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0080*/              @P0 BRA `(.L_x_0) ;
+        /*0090*/                   EXIT ;
+"""
+
+
+def test_mma_loop_mix_counts_the_innermost_loop_holding_every_mma():
+    mix = mma_loop_mix(SASS)  # .L_x_1 holds only the first HMMA: the loop is .L_x_0
+    assert (mix.instructions, mix.mma, mix.shared_memory, mix.barriers) == (8, 2, 3, 1)
+
+
+def test_mma_loop_mix_refuses_sass_without_mma_or_loop():
+    with pytest.raises(ValueError, match="no MMA"):
+        mma_loop_mix(SASS.replace("HMMA.16816.F32.BF16", "FFMA"))
+    with pytest.raises(ValueError, match="no loop"):
+        mma_loop_mix(SASS.replace("@P0 BRA `(.L_x_0)", "NOP"))
