@@ -157,13 +157,20 @@ def pack_latent(latent: torch.Tensor, block_stride: int | None = None) -> torch.
     return torch.as_strided(buf, (num_blocks, page, 1, TOKEN_BYTES), (stride, TOKEN_BYTES, TOKEN_BYTES, 1))
 
 
-def _decode_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``data`` uint8 [..., 576], ``scales`` uint8 [..., 7] -> float32 [..., 512]."""
+def _row_parts(data: torch.Tensor, scales: torch.Tensor):
+    """``data`` uint8 [..., 576], ``scales`` uint8 [..., 7] -> (the FP8 nope values as float32
+    [..., 7, 64], their scale factors 2**(byte - 127) [..., 7], the rope as float32 [..., 64])."""
     nope = data[..., :D_NOPE].contiguous().view(torch.float8_e4m3fn).float()
     nope = nope.reshape(*nope.shape[:-1], NUM_TILES, TILE)
     factor = torch.exp2(scales.float() - UE8M0_BIAS)
-    nope = (nope * factor[..., None]).reshape(*nope.shape[:-2], D_NOPE)
     rope = data[..., D_NOPE:].contiguous().view(torch.bfloat16).float()
+    return nope, factor, rope
+
+
+def _decode_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``data`` uint8 [..., 576], ``scales`` uint8 [..., 7] -> float32 [..., 512]."""
+    nope, factor, rope = _row_parts(data, scales)
+    nope = (nope * factor[..., None]).reshape(*nope.shape[:-2], D_NOPE)
     return torch.cat([nope, rope], dim=-1)
 
 
@@ -176,11 +183,8 @@ def unpack_cache(cache: torch.Tensor) -> torch.Tensor:
     return _decode_rows(data, footer[..., :NUM_TILES])
 
 
-def gather_slots(view: CacheView, slots: torch.Tensor) -> torch.Tensor:
-    """Dequantize the rows of ``slots`` (int64, every one in ``[0, num_slots)``) to float32 ``[..., 512]``.
-
-    Reads only the selected rows, so it scales to caches far larger than the gathered set.
-    """
+def _gather_raw(view: CacheView, slots: torch.Tensor):
+    """The raw bytes (uint8 [n, 576]) and scale bytes (uint8 [n, 7]) of ``slots`` (flattened)."""
     page = view.page_block_size
     flat_slots = slots.reshape(-1).long()
     block = (flat_slots // page)[:, None]
@@ -188,4 +192,20 @@ def gather_slots(view: CacheView, slots: torch.Tensor) -> torch.Tensor:
     dev = view.blocks.device
     data = view.blocks[block, offset * ROW_BYTES + torch.arange(ROW_BYTES, device=dev)]
     scales = view.blocks[block, page * ROW_BYTES + offset * SCALE_BYTES + torch.arange(NUM_TILES, device=dev)]
-    return _decode_rows(data, scales).reshape(*slots.shape, D_QK)
+    return data, scales
+
+
+def gather_slots(view: CacheView, slots: torch.Tensor) -> torch.Tensor:
+    """Dequantize the rows of ``slots`` (int64, every one in ``[0, num_slots)``) to float32 ``[..., 512]``.
+
+    Reads only the selected rows, so it scales to caches far larger than the gathered set.
+    """
+    return _decode_rows(*_gather_raw(view, slots)).reshape(*slots.shape, D_QK)
+
+
+def gather_slot_parts(view: CacheView, slots: torch.Tensor):
+    """The rows of ``slots`` as stored: (FP8 nope values as float32 [..., 7, 64], their scale
+    factors [..., 7], rope float32 [..., 64]); ``gather_slots`` is their product and concat."""
+    nope, factor, rope = _row_parts(*_gather_raw(view, slots))
+    return (nope.reshape(*slots.shape, NUM_TILES, TILE), factor.reshape(*slots.shape, NUM_TILES),
+            rope.reshape(*slots.shape, rope.shape[-1]))

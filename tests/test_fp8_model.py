@@ -1,0 +1,63 @@
+"""The FP8 compute path's arithmetic model (cute_kernels/sparse_mla_decode/fp8_model.py), on the CPU.
+
+Two properties that can fail: its rounding primitive keeps e4m3's bounds, and with every
+rounding step turned off the model is the float32 reference (so the chunking, the scale
+folding and the sink/empty handling are right, and what remains is rounding only). Its
+measured accuracy is printed by scripts/fp8_accuracy.py and recorded in the README.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cute_kernels.sparse_mla_decode.fp8_model as fp8_model
+from cute_kernels.sparse_mla_decode.reference import reference_decode
+from tests.dsv4_inputs import make_cache, make_indices
+
+
+def test_round_e4m3_pow2_keeps_e4m3_bounds():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    magnitudes = torch.exp2(torch.randint(-60, 60, (64, 1), generator=gen).float())
+    x = torch.randn(64, 48, generator=gen) * magnitudes
+    x[3] = 0.0  # an all-zero slice
+    r = fp8_model.round_e4m3_pow2(x, dim=-1)
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = r.abs().amax(-1, keepdim=True) / 448
+    assert torch.equal(r[3], torch.zeros(48))
+    rows = amax[:, 0] > 0
+    # one power-of-two scale per slice: the largest element lands in (224, 448]
+    exponent = torch.ceil(torch.log2(amax[rows] / 448))
+    assert torch.all(x[rows].abs().amax(-1, keepdim=True) / torch.exp2(exponent) <= 448)
+    assert torch.all(r[rows].abs() <= 448 * torch.exp2(exponent))
+    # e4m3 normals (>= 2**-6 of the scale) are within half an ulp: 2**-4 relative
+    normal = x.abs() >= torch.exp2(torch.ceil(torch.log2(torch.where(amax > 0, amax, 1.0) / 448)) - 6)
+    err = (r - x).abs()
+    assert torch.all(err[normal] <= x.abs()[normal] * 2.0**-4 + 1e-30)
+    assert scale.shape == (64, 1)
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_fp8_model_without_rounding_is_the_reference(monkeypatch, extra):
+    monkeypatch.setattr(fp8_model, "round_e4m3_pow2", lambda x, dim: x)
+    monkeypatch.setattr(fp8_model, "round_bf16", lambda x: x)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, H, topk = 5, 8, 100  # 100: not a multiple of the 32-entry chunk
+    cache = make_cache(16, 64, device="cpu", gen=gen)
+    q = torch.randn(T, H, 512, generator=gen).bfloat16()
+    idx = make_indices(T, topk, 16 * 64, device="cpu", invalid_frac=0.2, gen=gen)
+    kw = dict(topk_length=torch.tensor([0, 100, 37, -5, 1000], dtype=torch.int32),
+              attn_sink=torch.tensor([0.0, 1.0, -2.0, math.inf, -math.inf, 3.0, 0.5, -0.5]), sm_scale=0.07)
+    if extra:
+        kw.update(extra_kv_cache=make_cache(40, 2, device="cpu", gen=gen),
+                  extra_indices=make_indices(T, 70, 80, device="cpu", invalid_frac=0.1, gen=gen),
+                  extra_topk_length=torch.tensor([70, 0, 12, 70, 33], dtype=torch.int32))
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    out, lse = fp8_model.fp8_path_decode(q, cache, idx, **kw)
+    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and torch.equal(ref_lse[~finite], lse[~finite])
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    assert not extra or torch.isposinf(ref_lse[3]).sum() < H  # token 3 has extra entries when extra is given
