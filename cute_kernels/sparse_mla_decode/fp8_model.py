@@ -31,7 +31,7 @@ import torch
 
 from .cache_format import gather_slot_parts, read_cache_view
 from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, TILE
-from .reference import valid_entries
+from .reference import apply_sink_and_empty, valid_entries
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -107,9 +107,4 @@ def fp8_path_decode(
         p_bf16 = round_bf16(pc)
         out_rope += torch.einsum("tcnh,tcnd->thd", p_bf16, _chunked(rope, block_n))
     out = torch.cat([out_nope.reshape(T, H, D_NOPE), out_rope], dim=-1) / torch.where(empty, 1.0, total)[..., None]
-    if attn_sink is not None:
-        gate = torch.sigmoid(lse - attn_sink.float()[None, :])
-        out = out * torch.where(empty, 0.0, gate)[..., None]
-    out = out.masked_fill(empty[..., None], 0.0)
-    lse = lse.masked_fill(empty, float("inf"))
-    return out, lse
+    return apply_sink_and_empty(out, lse, attn_sink)

@@ -561,7 +561,7 @@ class SparseMlaPartialKernel:
         index and locate it once (one division by the runtime page size per thread), then
         issue every threads_per_row-th 16-byte piece: one warp-wide copy still covers 64
         contiguous bytes of each of its rows."""
-        bn, tidx, sIdx, sMask = self.bn, ctx.tidx, ctx.sIdx, ctx.sMask
+        bn, tidx, sMask = self.bn, ctx.tidx, ctx.sMask
         tpr = self.nthr // bn
         pieces = ROW_BYTES // 16
         pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)

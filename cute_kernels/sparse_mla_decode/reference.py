@@ -65,6 +65,14 @@ def reference_decode(
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
     out = torch.einsum("thk,tkd->thd", probs, rows)
+    return apply_sink_and_empty(out, lse, attn_sink)
+
+
+def apply_sink_and_empty(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor | None):
+    """The output conventions on a normalized ``out`` and its ``lse`` (-inf: no valid entry):
+    the sink gate exp(lse) / (exp(lse) + exp(sink)) on out, and out = 0, lse = +inf for a
+    token with no valid entry."""
+    empty = torch.isneginf(lse)
     if attn_sink is not None:
         gate = torch.sigmoid(lse - attn_sink.float()[None, :])
         out = out * torch.where(empty, 0.0, gate)[..., None]
