@@ -4,10 +4,12 @@
 
 Runs ``cute_kernels.sparse_mla_decode.fp8_model.fp8_path_decode`` (the FP8 path's rounding,
 modelled in torch) on random DSV4 inputs and prints, per case, the worst token's relative
-L2 error of out and the worst absolute error of lse, for three forms: every FP8 rounding
-step ("fp8"), only Q quantized ("fp8 Q only": P kept exact) and only P requantized ("fp8 P
-only"). q = randn * q_scale: a larger q_scale makes the softmax sharper (the scores grow
-with it), which is where the errors of the Q quantization show.
+L2 error of out and the worst absolute error of lse, for these forms: the path as the issue
+words it ("fp8": every rounding step), its two parts alone ("Q e4m3 only": P kept exact;
+"P e4m3 only": Q kept exact), and two alternatives of ``fp8_path_decode``: Q as two e4m3
+terms ("Q 2 terms"), and that with the probabilities in bf16 against the value dequantized
+to bf16 ("Q 2 terms, P bf16"). q = randn * q_scale: a larger q_scale makes the softmax
+sharper (the scores grow with it), which is where the errors of the Q quantization show.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ def _errors(out, lse, ref_out, ref_lse):
     return rel, (lse[finite] - ref_lse[finite]).abs().max().item()
 
 
-def run(keep: str, q, cache, idx, kw, ref):
-    """``keep``: which rounding steps stay on ("both", "q", "p")."""
+FORMS = (("fp8", "both", {}), ("Q e4m3 only", "q", {}), ("P e4m3 only", "p", {}),
+         ("Q 2 terms", "both", {"q_terms": 2}), ("Q 2 terms, P bf16", "both", {"q_terms": 2, "p_format": "bf16"}))
+
+
+def run(keep: str, form: dict, q, cache, idx, kw, ref):
+    """``keep``: which e4m3 rounding steps stay on ("both", "q", "p")."""
     rounding = fp8_model.round_e4m3_pow2
 
     def selective(x, dim):
@@ -45,7 +51,7 @@ def run(keep: str, q, cache, idx, kw, ref):
 
     fp8_model.round_e4m3_pow2 = selective
     try:
-        return _errors(*fp8_model.fp8_path_decode(q, cache, idx, **kw), *ref)
+        return _errors(*fp8_model.fp8_path_decode(q, cache, idx, **form, **kw), *ref)
     finally:
         fp8_model.round_e4m3_pow2 = rounding
 
@@ -57,8 +63,8 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     cache = make_cache(256, 64, device="cpu", gen=gen)
     extra_cache = make_cache(512, 2, device="cpu", gen=gen)
-    print(f"{'T':>3} {'H':>4} {'topk':>9} {'q_scale':>7}   out rel L2 / lse abs:  {'fp8':>17} "
-          f"{'fp8 Q only':>17} {'fp8 P only':>17}")
+    print("out rel L2 / lse abs (worst token) against the float32 reference")
+    print(f"{'T':>3} {'H':>4} {'topk':>9} {'q_scale':>7}" + "".join(f" {name:>18}" for name, _, _ in FORMS))
     for T, H, topk, extra, q_scale in CASES:
         q = (torch.randn(T, H, 512, generator=gen) * q_scale).bfloat16()
         idx = make_indices(T, topk, 256 * 64, device="cpu", gen=gen)
@@ -66,10 +72,9 @@ def main(argv=None) -> int:
         if extra:
             kw = dict(extra_kv_cache=extra_cache, extra_indices=make_indices(T, extra, 1024, device="cpu", gen=gen))
         ref = reference_decode(q, cache, idx, **kw)
-        cols = [run(keep, q, cache, idx, kw, ref) for keep in ("both", "q", "p")]
+        cols = [run(keep, form, q, cache, idx, kw, ref) for _, keep, form in FORMS]
         shape = f"{topk}" + (f"+{extra}" if extra else "")
-        print(f"{T:>3} {H:>4} {shape:>9} {q_scale:>7.1f}   {'':>21}" +
-              "".join(f" {o:>8.1e} / {e:>6.1e}" for o, e in cols))
+        print(f"{T:>3} {H:>4} {shape:>9} {q_scale:>7.1f}" + "".join(f" {o:>8.1e} / {e:>7.1e}" for o, e in cols))
     return 0
 
 

@@ -39,8 +39,9 @@ def test_round_e4m3_pow2_keeps_e4m3_bounds():
     assert scale.shape == (64, 1)
 
 
-@pytest.mark.parametrize("extra", [False, True])
-def test_fp8_model_without_rounding_is_the_reference(monkeypatch, extra):
+@pytest.mark.parametrize("extra,q_terms,p_format", [(False, 1, "e4m3"), (True, 1, "e4m3"), (True, 2, "e4m3"),
+                                                    (True, 2, "bf16")])
+def test_fp8_model_without_rounding_is_the_reference(monkeypatch, extra, q_terms, p_format):
     monkeypatch.setattr(fp8_model, "round_e4m3_pow2", lambda x, dim: x)
     monkeypatch.setattr(fp8_model, "round_bf16", lambda x: x)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -55,9 +56,27 @@ def test_fp8_model_without_rounding_is_the_reference(monkeypatch, extra):
                   extra_indices=make_indices(T, 70, 80, device="cpu", invalid_frac=0.1, gen=gen),
                   extra_topk_length=torch.tensor([70, 0, 12, 70, 33], dtype=torch.int32))
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    out, lse = fp8_model.fp8_path_decode(q, cache, idx, **kw)
+    out, lse = fp8_model.fp8_path_decode(q, cache, idx, q_terms=q_terms, p_format=p_format, **kw)
     assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-6)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse)) and torch.equal(ref_lse[~finite], lse[~finite])
     assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
     assert not extra or torch.isposinf(ref_lse[3]).sum() < H  # token 3 has extra entries when extra is given
+
+
+def test_fp8_model_refuses_unknown_forms():
+    q = torch.zeros(1, 1, 512).bfloat16()
+    cache = make_cache(1, 64, device="cpu")
+    idx = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="q_terms must be 1 or 2"):
+        fp8_model.fp8_path_decode(q, cache, idx, q_terms=3)
+    with pytest.raises(ValueError, match="p_format"):
+        fp8_model.fp8_path_decode(q, cache, idx, p_format="e5m2")
+
+
+def test_two_q_terms_are_closer_than_one():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(16, 7, 64, generator=gen) * 3
+    one = fp8_model.round_e4m3_pow2(x, dim=-1)
+    two = one + fp8_model.round_e4m3_pow2(x - one, dim=-1)
+    assert (two - x).norm() < (one - x).norm() / 8  # the second term holds ~4 more bits

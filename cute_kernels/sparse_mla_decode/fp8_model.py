@@ -78,14 +78,26 @@ def fp8_path_decode(
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
     block_n: int = 32,
+    q_terms: int = 1,
+    p_format: str = "e4m3",
 ):
     """``(out float32 [T, H, 512], lse float32 [T, H])`` as the FP8 path rounds them; the
-    arguments and semantics are those of ``reference.reference_decode``."""
+    arguments and semantics are those of ``reference.reference_decode``.
+
+    Two design alternatives, to compare before writing a kernel: ``q_terms=2`` holds the Q
+    nope tile as the sum of two e4m3 terms (the second quantizes what the first missed; two
+    FP8 QK MMAs), ``p_format="bf16"`` multiplies the probabilities in bf16 against the value
+    dequantized to bf16 (exact: e4m3 times a power of two) instead of requantizing them."""
+    if q_terms not in (1, 2) or p_format not in ("e4m3", "bf16"):
+        raise ValueError(f"q_terms must be 1 or 2 and p_format 'e4m3' or 'bf16', got {q_terms}, {p_format!r}")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D_QK)
     T, H, _ = q.shape
     qf = q.float()
-    q8 = round_e4m3_pow2(qf[..., :D_NOPE].reshape(T, H, NUM_TILES, TILE), dim=-1)
+    q_nope = qf[..., :D_NOPE].reshape(T, H, NUM_TILES, TILE)
+    q8 = round_e4m3_pow2(q_nope, dim=-1)
+    if q_terms == 2:
+        q8 = q8 + round_e4m3_pow2(q_nope - q8, dim=-1)
     q_rope = qf[..., D_NOPE:]
     lists = [_list_parts(q8, q_rope, kv_cache, indices, topk_length, sm_scale)]
     if extra_kv_cache is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
@@ -102,7 +114,10 @@ def fp8_path_decode(
         total += p.sum(-1)
         pc = _chunked(p.transpose(1, 2), block_n)  # [T, C, n, H]
         pv = pc[..., None] * _chunked(factor, block_n)[:, :, :, None, :]  # [T, C, n, H, 7]
-        pv8 = round_e4m3_pow2(pv, dim=2)  # one scale per (token, chunk, head, tile)
+        if p_format == "e4m3":
+            pv8 = round_e4m3_pow2(pv, dim=2)  # one scale per (token, chunk, head, tile)
+        else:
+            pv8 = round_bf16(pc)[..., None] * _chunked(factor, block_n)[:, :, :, None, :]
         out_nope += torch.einsum("tcnhi,tcnid->thid", pv8, _chunked(k8, block_n))
         p_bf16 = round_bf16(pc)
         out_rope += torch.einsum("tcnh,tcnd->thd", p_bf16, _chunked(rope, block_n))
