@@ -371,13 +371,13 @@ class SparseMlaPartialKernel:
         ctx.tXcKV = tXcKV
 
         # ---- main loop over the chunks of this split. Chunk c's rows were issued one step
-        # ahead and its slots two steps ahead, so neither latency is on the critical path.
+        # ahead and its indices two steps ahead, so neither latency is on the critical path.
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
             stage = step % 2  # raw row buffer of chunk c
-            buf = step % SLOT_BUFFERS  # slot buffer of chunk c
+            buf = step % SLOT_BUFFERS  # index and validity-mask buffer of chunk c
             cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # chunk c landed; c+1's slots are visible; last step's readers are done
+            cute.arch.sync_threads()  # chunk c and c+1's indices landed; last step's readers are done
             if c + 1 < c_end:
                 self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
             if c + 2 < c_end:
