@@ -36,6 +36,18 @@ def _tool(name: str) -> str:
     return found
 
 
+def _run_on_cubin(cubin: bytes, *commands: list) -> list[str]:
+    """The stdout of each ``[tool, args...]`` run on the cubin (written to a temporary file)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        return [subprocess.run([_tool(cmd[0]), *cmd[1:], path], capture_output=True, text=True, check=True).stdout
+                for cmd in commands]
+    finally:
+        os.unlink(path)
+
+
 @dataclass
 class CubinReport:
     kernel: str
@@ -50,14 +62,7 @@ class CubinReport:
 
 def inspect_cubin(cubin: bytes) -> list[CubinReport]:
     """One report per kernel in the cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
+    res, sass = _run_on_cubin(cubin, ["cuobjdump", "-res-usage"], ["nvdisasm", "-c"])
     reports = []
     for name, usage in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", res):
         val = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", usage))
@@ -131,10 +136,4 @@ def mma_loop_mix(sass: str) -> LoopMix:
 
 def disassemble(cubin: bytes) -> str:
     """``nvdisasm -c`` text of a cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        return subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
+    return _run_on_cubin(cubin, ["nvdisasm", "-c"])[0]

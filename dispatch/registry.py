@@ -50,9 +50,13 @@ def _shapes() -> list[DeploymentShape]:
 DEPLOYMENT_SHAPES = tuple(_shapes())
 # num_tokens that reach decode: 1 token to prefill-sized calls (one split and several)
 DEPLOYMENT_NUM_TOKENS = (1, 2, 8, 64, 256, 4096)
-# (SM count, shared memory per SM) of the targets: RTX PRO 6000, RTX 5090, DGX Spark GB10
-# (sm_120/121: 100 KB per SM) and the H200 test GPU (228 KB per SM)
-DEPLOYMENT_GPUS = ((188, 102400), (170, 102400), (48, 102400), (132, 233472))
+# shared memory per SM as the CUDA runtime reports it: sm_120/121 (100 KB), the H200 (228 KB)
+SM120_SMEM_PER_SM = 102400
+H200_SMEM_PER_SM = 233472
+# (SM count, shared memory per SM) of the targets: RTX PRO 6000, RTX 5090, DGX Spark GB10 and
+# the H200 test GPU
+DEPLOYMENT_GPUS = ((188, SM120_SMEM_PER_SM), (170, SM120_SMEM_PER_SM), (48, SM120_SMEM_PER_SM),
+                   (132, H200_SMEM_PER_SM))
 
 
 def registry_calls():

@@ -56,17 +56,28 @@ def copy_ceiling_gbs() -> float:
     return 2 * (4 << 30) / (ms * 1e-3) / 1e9
 
 
+# (T, H, shape): "128+512" is a 128-entry main window plus 512 entries of the extra cache
+GRID = [(T, H, s) for T in (1, 8, 64, 256) for H in (16, 64, 128) for s in ("128", "512", "1024", "128+512")]
+QUICK_TOKENS = (1, 64)
+
+
+def list_lengths(shape: str) -> tuple[int, int]:
+    """(topk, extra_topk) of a grid shape."""
+    topk, _, extra = shape.partition("+")
+    return int(topk), int(extra or 0)
+
+
 def inputs(T, H, shape, caches, gen):
     main, extra = caches
     q = torch.randn(T, H, 512, generator=gen, device="cuda").to(torch.bfloat16)
-    if shape == "128+512":
+    topk, extra_topk = list_lengths(shape)
+    if extra_topk:  # main: the last `topk` tokens of each sequence through a random block table
         table = torch.randperm(NUM_BLOCKS, generator=gen, device="cuda")
-        end = torch.randint(128, NUM_BLOCKS * PAGE, (T, 1), generator=gen, device="cuda")
-        pos = end - 128 + torch.arange(128, device="cuda")
+        end = torch.randint(topk, NUM_BLOCKS * PAGE, (T, 1), generator=gen, device="cuda")
+        pos = end - topk + torch.arange(topk, device="cuda")
         idx = (table[pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
-        e_idx = torch.randint(0, NUM_BLOCKS * PAGE, (T, 512), generator=gen, device="cuda", dtype=torch.int32)
-        return q, main, idx, dict(extra_kv_cache=extra, extra_indices=e_idx), 640
-    topk = int(shape)
+        e_idx = torch.randint(0, NUM_BLOCKS * PAGE, (T, extra_topk), generator=gen, device="cuda", dtype=torch.int32)
+        return q, main, idx, dict(extra_kv_cache=extra, extra_indices=e_idx), topk + extra_topk
     idx = torch.randint(0, NUM_BLOCKS * PAGE, (T, topk), generator=gen, device="cuda", dtype=torch.int32)
     return q, main, idx, {}, topk
 
@@ -94,8 +105,7 @@ def main(argv=None) -> int:
               make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
     ceiling = copy_ceiling_gbs()
     print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s", flush=True)
-    grid = [(T, H, s) for T in ((1, 64) if args.quick else (1, 8, 64, 256)) for H in (16, 64, 128)
-            for s in ("128", "512", "1024", "128+512")]
+    grid = [row for row in GRID if not args.quick or row[0] in QUICK_TOKENS]
     rows = []
     for n, (T, H, shape) in enumerate(grid):
         q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen)

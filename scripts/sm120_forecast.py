@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cute_kernels.sparse_mla_decode.config import PartialConfig  # noqa: E402
 from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES  # noqa: E402
+from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM  # noqa: E402
 from dispatch.splits import plan_splits  # noqa: E402
+from scripts.bench import GRID, list_lengths  # noqa: E402
 from dispatch.variants import partial_shape_config  # noqa: E402
 
 ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
@@ -63,10 +65,8 @@ class Device:
 
 # published specifications (boost clock, memory bandwidth); shared memory per SM as the
 # CUDA runtime reports it for the architecture
-RTX_PRO_6000 = Device("RTX PRO 6000 Blackwell (sm_120)", 188, 2.617, 1792.0, 102400)
-H200 = Device("H200 (model check)", 132, 1.98, 4800.0, 233472)
-
-GRID = [(T, H, s) for T in (1, 8, 64, 256) for H in (16, 64, 128) for s in ("128", "512", "1024", "128+512")]
+RTX_PRO_6000 = Device("RTX PRO 6000 Blackwell (sm_120)", 188, 2.617, 1792.0, SM120_SMEM_PER_SM)
+H200 = Device("H200 (model check)", 132, 1.98, 4800.0, H200_SMEM_PER_SM)
 
 
 def loop_instructions() -> dict:
@@ -85,14 +85,9 @@ def loop_instructions() -> dict:
     return out
 
 
-def entries(shape: str) -> tuple[int, int]:
-    main, _, extra = shape.partition("+")
-    return int(main), int(extra or 0)
-
-
 def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict) -> tuple[float, float, float]:
     """(estimate, issue_us, memory_us) for one shape on ``dev``."""
-    topk, extra = entries(shape)
+    topk, extra = list_lengths(shape)
     cfg = partial_shape_config(H, T, dev.num_sms)
     split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
     head_blocks = -(-H // cfg.heads_per_cta)

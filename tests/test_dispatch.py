@@ -10,6 +10,7 @@ import torch
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from dispatch import InvalidDecodeInput, sparse_mla_decode
 from dispatch.metadata import MODEL_TYPE, DecodeMetadata
+from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
 from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm
 from dispatch.variants import head_groups_for, partial_shape_config, variant_space, variants_for
 from tests.dsv4_inputs import make_cache, make_indices
@@ -73,7 +74,7 @@ def _another(value):
                                             (1, 8, 8192, 8192)])
 def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
     cfg = partial_shape_config(H, T, 188)
-    plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=188, smem_per_sm=102400)
+    plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=188, smem_per_sm=SM120_SMEM_PER_SM)
     assert plan.num_chunks == math.ceil(topk / 32) + math.ceil(extra / 32)
     assert 1 <= plan.num_splits <= MAX_SPLITS  # the merge kernel has one thread per split
     assert plan.num_splits * plan.chunks_per_split >= plan.num_chunks
@@ -177,6 +178,6 @@ def test_resident_ctas_per_sm():
     """sm_120 (100 KB of shared memory per SM) holds one partial CTA of either shape; the H200
     (228 KB) two of the one-group shape and one of the two-group shape (registers)."""
     one, two = PartialConfig(head_groups=1), PartialConfig(head_groups=2)
-    assert resident_ctas_per_sm(one, 102400) == resident_ctas_per_sm(two, 102400) == 1
-    assert resident_ctas_per_sm(one, 233472) == 2
-    assert resident_ctas_per_sm(two, 233472) == 1
+    assert resident_ctas_per_sm(one, SM120_SMEM_PER_SM) == resident_ctas_per_sm(two, SM120_SMEM_PER_SM) == 1
+    assert resident_ctas_per_sm(one, H200_SMEM_PER_SM) == 2
+    assert resident_ctas_per_sm(two, H200_SMEM_PER_SM) == 1
