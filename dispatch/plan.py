@@ -249,7 +249,6 @@ class BoundDecode:
     def __init__(self, plan: DecodePlan, kernels: list, tensors: tuple, out, lse):
         self.plan = plan
         self.out, self.lse = out, lse
-        self._tensors = tensors
         # the storages, held: the bound addresses stay valid whatever is done to the tensors
         self._storages = tuple(t.untyped_storage() for t in tensors)
         self._launches = tuple(k[0].launch for k in kernels)
