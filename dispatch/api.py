@@ -13,6 +13,7 @@ from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheV
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 
 from .metadata import DecodeMetadata, InvalidDecodeInput
+from .variants import PRECISIONS, resolve_precision
 
 _INT32_MAX = 2**31 - 1
 
@@ -174,6 +175,7 @@ class ValidatedCall:
     arch: str | None
     num_sms: int
     smem_per_sm: int
+    precision: str
     launch_metadata: DecodeMetadata
 
     def pointers(self) -> dict:
@@ -188,11 +190,11 @@ class ValidatedCall:
     def plan_key(self) -> tuple:
         from .plan import layout_signature
 
-        return (self.device_index,) + tuple(layout_signature(getattr(self, n)) for n in self.TENSORS)
+        return (self.device_index, self.precision) + tuple(layout_signature(getattr(self, n)) for n in self.TENSORS)
 
 
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
-                  extra_indices=None, extra_topk_length=None, out=None, lse=None) -> ValidatedCall:
+                  extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None) -> ValidatedCall:
     """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput."""
     md = _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
                         attn_sink)
@@ -257,6 +259,8 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     check.shape(lse, "lse", (*lead, num_heads))
     lse2 = _flatten_tokens(lse, 1, "lse", check)
 
+    if precision is not None and precision not in PRECISIONS:
+        check.fail(f"precision must be one of {PRECISIONS} or None (the default), got {precision!r}")
     if device.type != "cuda":
         check.fail(f"the inputs are on {device}: the kernels run on CUDA devices only")
     device_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -264,6 +268,10 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     if arch is None:
         check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    try:
+        precision = resolve_precision(precision, arch)
+    except ValueError as e:
+        check.fail(str(e))
 
     extra_topk = 0 if extra_idx is None else extra_idx.shape[-1]
     used_extra_idx = extra_idx if extra_topk > 0 else idx
@@ -279,7 +287,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         extra_kv_cache=extra_kv_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
         out=out, lse=lse, num_tokens=num_tokens, num_heads=num_heads, topk=idx.shape[-1], extra_topk=extra_topk,
         main=main, extra=extra, strides=strides, sm_scale=float(sm_scale), device_index=device_index, arch=arch,
-        num_sms=num_sms, smem_per_sm=smem_per_sm,
+        num_sms=num_sms, smem_per_sm=smem_per_sm, precision=precision,
         launch_metadata=dataclasses.replace(md, has_extra_topk_length=extra_lens is not None and extra_topk > 0),
     )
 
@@ -290,7 +298,7 @@ _MAX_PLANS = 256
 
 
 def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
-                           extra_indices=None, extra_topk_length=None, out=None, lse=None):
+                           extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None):
     """Validate one call's inputs and return a ``DecodePlan`` for tensors laid out like them.
 
     Hold the plan for a shape bucket and call ``plan.run(q, kv_cache, indices, ..., out=,
@@ -301,7 +309,7 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
 
     call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                         extra_topk_length=extra_topk_length, out=out, lse=lse)
+                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision)
     return DecodePlan(call)
 
 
@@ -319,6 +327,7 @@ def sparse_mla_decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     lse_convention: str = "natural",
+    precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V4 sparse MLA decode over a paged FP8 cache in the "MODEL1" layout.
 
@@ -338,6 +347,9 @@ def sparse_mla_decode(
         out, lse: optional outputs, written in place.
         lse_convention: ``"natural"`` (the default, below) or ``"log2_with_sink"``
             (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's; see ``dispatch.adapters``).
+        precision: ``"bf16"`` (values dequantized to bf16, bf16 MMAs), ``"fp8"`` (e4m3 MMAs
+            on the cache bytes, about 1-2% output error: README "Precision"), or None for
+            the dispatch's default on the device.
 
     Returns:
         ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``, ``lse`` float32 ``[T, H]`` (leading dims
@@ -360,7 +372,7 @@ def sparse_mla_decode(
                                  f"lse_convention must be 'natural' or 'log2_with_sink', got {lse_convention!r}")
     call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                         extra_topk_length=extra_topk_length, out=out, lse=lse)
+                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision)
     if call.num_tokens == 0:
         return call.out, call.lse
     key = call.plan_key()

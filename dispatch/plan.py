@@ -67,13 +67,15 @@ class DecodePlan:
         self.device_index = call.device_index
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
-        shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms)
+        self.precision = call.precision
+        shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
                                  num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
         if shape.head_groups > 1 and self.split.num_splits > 1:  # excluded by head_groups_for + plan_splits
             raise RuntimeError(f"internal error: {self.split} with {shape.head_groups} head groups for "
                                f"{call.launch_metadata}; please report it")
-        self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups)
+        self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups,
+                                     precision=call.precision)
         self.final = len(self.variants) == 1
         T, S, H = call.num_tokens, self.split.num_splits, call.num_heads
         self._o_part_bytes = 0 if self.final else T * S * H * D_V * 4

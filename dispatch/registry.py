@@ -15,9 +15,7 @@ import itertools
 from dataclasses import dataclass
 
 from .metadata import DecodeMetadata
-from .variants import DEFAULT_PRECISION, KernelVariant, partial_shape_config, variants_for
-
-PRECISIONS_SERVED = (DEFAULT_PRECISION,)
+from .variants import KernelVariant, partial_shape_config, precisions_for, variants_for
 
 
 @dataclass(frozen=True)
@@ -59,8 +57,9 @@ DEPLOYMENT_GPUS = ((188, SM120_SMEM_PER_SM), (170, SM120_SMEM_PER_SM), (48, SM12
                    (132, H200_SMEM_PER_SM))
 
 
-def registry_calls():
-    """Every (metadata, num_splits, head_groups) the deployment grid produces on the deployment GPUs."""
+def registry_calls(precision: str):
+    """Every (metadata, num_splits, head_groups) the deployment grid produces on the deployment
+    GPUs with the ``precision`` compute path."""
     from .splits import plan_splits
 
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
@@ -72,7 +71,7 @@ def registry_calls():
                                 page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
                                 has_extra_topk_length=has_extra_len, has_sink=has_sink)
-            cfg = partial_shape_config(shape.num_heads, T, sms)
+            cfg = partial_shape_config(shape.num_heads, T, sms, precision)
             plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk, cfg=cfg, num_sms=sms,
                                smem_per_sm=smem_per_sm)
             yield md, plan.num_splits, cfg.head_groups
@@ -81,8 +80,8 @@ def registry_calls():
 def registry_variants(arch: str) -> list[KernelVariant]:
     """The variants the AOT build compiles for ``arch``, in a stable order."""
     found = {}
-    for md, splits, head_groups in registry_calls():
-        for precision in PRECISIONS_SERVED:
+    for precision in precisions_for(arch):  # every path a caller can ask for, not only the default
+        for md, splits, head_groups in registry_calls(precision):
             for v in variants_for(md, arch, splits, head_groups, precision=precision):
                 found.setdefault(v.name, v)
     return [found[name] for name in sorted(found)]

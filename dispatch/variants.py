@@ -4,7 +4,7 @@ A variant is a kernel configuration plus a target arch. Everything else about a 
 (num_tokens, num_heads, topk, extra_topk, page block sizes, strides, the split of the work)
 is a runtime argument, so the set of variants is small and closed:
 
-    partial: precision x head_groups (1 for <= 16 heads, else 2) x has_topk_length x
+    partial: precision (``precisions_for(arch)``) x head_groups (1 for <= 16 heads, else 2) x has_topk_length x
              has_extra_topk_length x (split mode | final mode without sink | final mode with sink)
     merge:   has_sink
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from cute_kernels.sparse_mla_decode.config import PRECISIONS, MergeConfig, PartialConfig
+from cute_kernels.sparse_mla_decode.config import BLOCK_SCALED_ARCHS, PRECISIONS, MergeConfig, PartialConfig
 
 from .metadata import DecodeMetadata
 
@@ -52,10 +52,33 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int) -> int:
     return 2
 
 
-def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int) -> PartialConfig:
-    """The partial kernel's shape fields (head groups, block_n, warps) for a call: what the
-    split plan depends on (the flags of a variant do not change its resources)."""
-    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms))
+def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
+                         precision: str = DEFAULT_PRECISION) -> PartialConfig:
+    """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
+    call: what the split plan depends on (the flags of a variant do not change its resources)."""
+    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms), precision=precision)
+
+
+def precisions_for(arch: str) -> tuple[str, ...]:
+    """The compute paths compiled for ``arch``: bf16 and fp8 everywhere, and the block-scaled
+    FP8 form ("mxf8") where the hardware has it."""
+    return tuple(p for p in PRECISIONS if p != "mxf8" or arch in BLOCK_SCALED_ARCHS)
+
+
+def resolve_precision(precision: str | None, arch: str) -> str:
+    """The compute path of a call: the caller's choice, else the default for ``arch``.
+
+    The default is bf16 on every arch, by measurement (BENCHMARKS.md, README "Precision"):
+    on the H200 the FP8 path is slower (sm_90 has no e4m3 ``mma.sync``: ptxas emulates it
+    with f16 MMAs and conversions, 57% more instructions executed), and on sm_120 its main
+    loop has about as many instructions as the bf16 one ("fp8": 918 vs 921 per chunk,
+    "mxf8": 841) for 1-2% output error instead of 0.1-0.5%."""
+    if precision is None:
+        return DEFAULT_PRECISION
+    if precision not in precisions_for(arch):
+        raise ValueError(f"precision {precision!r} is not available on {arch}: use one of {precisions_for(arch)} "
+                         f"or None (the default, {DEFAULT_PRECISION})")
+    return precision
 
 
 def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: int,
@@ -86,7 +109,8 @@ def variant_space(arch: str) -> list[KernelVariant]:
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p), arch)
-        for p, g, a, b, (f, s) in itertools.product(PRECISIONS, (1, 2), (False, True), (False, True), _MODES)
+        for p, g, a, b, (f, s) in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
+                                                    _MODES)
         if g == 1 or f
     ]
     out += [KernelVariant(MergeConfig(has_sink=s), arch) for s in (False, True)]

@@ -1,6 +1,10 @@
 """Benchmark DSV4 sparse-MLA decode on the GPU, by the method of the peer-baseline note.
 
-    python scripts/bench.py [--json out.json] [--quick]
+    python scripts/bench.py [--json out.json] [--quick] [--precision P ...]
+
+``--precision`` (repeatable: bf16, fp8, default) times each listed compute path; the
+table's main columns are the first one's (default: the path the dispatch picks), the others
+get a "us <precision>" column each.
 
 Method (``../shared/notes/peer_baselines_h200.md``): caches of 4096 page blocks x 64 tokens
 (262,144 tokens, block stride 37,440 bytes) in the DSV4 FP8 layout; q = randn bf16;
@@ -97,7 +101,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     ap.add_argument("--quick", action="store_true", help="T=1 and 64 only, no torch reference")
+    ap.add_argument("--precision", action="append", choices=("default", "bf16", "fp8"),
+                    help="compute path(s) to time (repeatable; default: the dispatch's choice)")
     args = ap.parse_args(argv)
+    precisions = args.precision or ["default"]
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
@@ -109,20 +116,25 @@ def main(argv=None) -> int:
     rows = []
     for n, (T, H, shape) in enumerate(grid):
         q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen)
-        us = graph_time_us(lambda: sparse_mla_decode(q, cache, idx, **kw))
+        times = {p: graph_time_us(lambda: sparse_mla_decode(q, cache, idx, precision=None if p == "default" else p,
+                                                            **kw))
+                 for p in precisions}
+        us = times[precisions[0]]
         ref_us = math.nan if args.quick else graph_time_us(lambda: reference_decode(q, cache, idx, **kw))
         gbs = T * entries * TOKEN_BYTES / (us * 1e-6) / 1e9
         fm = FLASHMLA_US.get((T, H, shape))
         row = dict(T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, torch_us=ref_us,
-                   speedup_vs_torch=ref_us / us, flashmla_us=fm, vs_flashmla=(fm / us) if fm else None)
+                   speedup_vs_torch=ref_us / us, flashmla_us=fm, vs_flashmla=(fm / us) if fm else None,
+                   precision=precisions[0], us_by_precision=times)
         rows.append(row)
         print(f"[{n + 1}/{len(grid)}] T={T} H={H} topk={shape}: {us:.1f} us", file=sys.stderr, flush=True)
     print(f"{'T':>4} {'H':>4} {'topk':>8} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'x torch':>8} "
-          f"{'FlashMLA us':>11} {'x FlashMLA':>10}")
+          f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:]))
     for r in rows:
         fm = f"{r['flashmla_us']:>11.1f} {r['vs_flashmla']:>10.2f}" if r["flashmla_us"] else f"{'-':>11} {'-':>10}"
         print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
-              f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}")
+              f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
+              + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=ceiling,
                                                    rows=rows), indent=1))

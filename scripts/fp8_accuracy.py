@@ -1,4 +1,4 @@
-"""Accuracy of the planned FP8 compute path against the float32 reference (CPU, no kernel).
+"""Accuracy of the FP8 compute path's rounding against the float32 reference (CPU, no kernel).
 
     python scripts/fp8_accuracy.py [--seed 0]
 
@@ -8,7 +8,9 @@ L2 error of out and the worst absolute error of lse, for these forms: the path a
 words it ("fp8": every rounding step), its two parts alone ("Q e4m3 only": P kept exact;
 "P e4m3 only": Q kept exact), and two alternatives of ``fp8_path_decode``: Q as two e4m3
 terms ("Q 2 terms"), and that with the probabilities in bf16 against the value dequantized
-to bf16 ("Q 2 terms, P bf16"). q = randn * q_scale: a larger q_scale makes the softmax
+to bf16 ("Q 2 terms, P bf16"); and the form the FP8 kernels implement ("kernel":
+``fp8_model.KERNEL_FORM``, Q per head as two terms, P requantized against a running scale
+maximum; the GPU suite measures the kernels themselves). q = randn * q_scale: a larger q_scale makes the softmax
 sharper (the scores grow with it), which is where the errors of the Q quantization show.
 """
 
@@ -38,7 +40,8 @@ def _errors(out, lse, ref_out, ref_lse):
 
 
 FORMS = (("fp8", "both", {}), ("Q e4m3 only", "q", {}), ("P e4m3 only", "p", {}),
-         ("Q 2 terms", "both", {"q_terms": 2}), ("Q 2 terms, P bf16", "both", {"q_terms": 2, "p_format": "bf16"}))
+         ("Q 2 terms", "both", {"q_terms": 2}), ("Q 2 terms, P bf16", "both", {"q_terms": 2, "p_format": "bf16"}),
+         ("kernel", "both", fp8_model.KERNEL_FORM))
 
 
 def run(keep: str, form: dict, q, cache, idx, kw, ref):
@@ -48,6 +51,9 @@ def run(keep: str, form: dict, q, cache, idx, kw, ref):
     def selective(x, dim):
         is_q = x.dim() == 4  # q: [T, H, tiles, 64]; probabilities: [T, chunks, n, H, tiles]
         return rounding(x, dim) if keep == "both" or (keep == "q") == is_q else x
+
+    if keep == "both":
+        return _errors(*fp8_model.fp8_path_decode(q, cache, idx, **form, **kw), *ref)
 
     fp8_model.round_e4m3_pow2 = selective
     try:

@@ -1,12 +1,14 @@
 """Run a few decode calls per shape, for a profiler to attach to (ncu, compute-sanitizer).
 
     ncu --clock-control none --metrics gpu__time_duration.sum python scripts/profile_kernels.py 1x16x128 64x128x512
+    DSV4_PRECISION=fp8 python scripts/profile_kernels.py ...   # the FP8 path (default: the dispatch's choice)
 
 Each SHAPE is TxHxTOPK[+EXTRA]; caches and inputs as in scripts/bench.py (262,144 tokens).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,9 +30,9 @@ def main(argv=None) -> int:
         T, H, topk, extra = int(T), int(H), int(topk), int(extra or 0)
         q = torch.randn(T, H, 512, device="cuda").bfloat16()
         idx = torch.randint(0, 4096 * 64, (T, topk), device="cuda", dtype=torch.int32)
-        kw = {}
+        kw = {"precision": os.environ.get("DSV4_PRECISION") or None}
         if extra:
-            kw = dict(extra_kv_cache=cache,
+            kw.update(extra_kv_cache=cache,
                       extra_indices=torch.randint(0, 4096 * 64, (T, extra), device="cuda", dtype=torch.int32))
         for _ in range(3):
             sparse_mla_decode(q, cache, idx, **kw)

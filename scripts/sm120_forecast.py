@@ -18,9 +18,13 @@ measurement. The model, per shape of scripts/bench.py's grid:
 - FIXED_US: the shortest call measured on the H200 (launches, the dependent index -> row
   load chain, the merge), taken as the same on SM120.
 
-With ``--h200-json`` (a scripts/bench.py --json file) the same model is also evaluated for
-the H200 and printed next to the H200 measurement: how far the model is off where it can be
-checked.
+Each compute path gets its own estimate (its own main-loop count: bf16, fp8, and mxf8,
+the block-scaled form only SM120 has); the model charges every instruction the same issue
+slot, so it says nothing about the MMA rates themselves.
+
+With ``--h200-json`` (a scripts/bench.py --json file of the bf16 path) the same model is
+also evaluated for the H200 and printed next to the H200 measurement: how far the model is
+off where it can be checked.
 
 Where it is most likely wrong: ISSUE_RATE was measured with 8 warps per SM. On sm_120 one
 CTA fills an SM's shared memory, so a 16-head CTA (4 warps) runs alone: fewer warps to hide
@@ -41,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cute_kernels.sparse_mla_decode.config import PartialConfig  # noqa: E402
+from cute_kernels.sparse_mla_decode.config import PRECISIONS, PartialConfig  # noqa: E402
 from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES  # noqa: E402
 from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM  # noqa: E402
 from dispatch.splits import plan_splits  # noqa: E402
@@ -69,9 +73,9 @@ RTX_PRO_6000 = Device("RTX PRO 6000 Blackwell (sm_120)", 188, 2.617, 1792.0, SM1
 H200 = Device("H200 (model check)", 132, 1.98, 4800.0, H200_SMEM_PER_SM)
 
 
-def loop_instructions() -> dict:
-    """Main-loop instructions per thread and chunk of the shipped partial kernel (sm_120a),
-    for one and two head groups, counted in the SASS (compiles two variants)."""
+def loop_instructions(precision: str) -> dict:
+    """Main-loop instructions per thread and chunk of the shipped partial kernel (sm_120a)
+    of ``precision``, for one and two head groups, counted in the SASS (compiles two variants)."""
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_forecast_"))
     from cute_kernels.sass_check import disassemble, mma_loop_mix
     from dispatch.loader import compile_variant
@@ -79,16 +83,18 @@ def loop_instructions() -> dict:
 
     out = {}
     for groups in (1, 2):
-        variant = KernelVariant(PartialConfig(head_groups=groups, final_output=True), "sm_120a")
+        variant = KernelVariant(PartialConfig(head_groups=groups, final_output=True, precision=precision), "sm_120a")
         compiled = compile_variant(variant, keep_cubin=True)
         out[groups] = mma_loop_mix(disassemble(compiled.artifacts.CUBIN)).instructions
     return out
 
 
-def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict) -> tuple[float, float, float]:
-    """(estimate, issue_us, memory_us) for one shape on ``dev``."""
+def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict,
+             precision: str = "bf16") -> tuple[float, float, float]:
+    """(estimate, issue_us, memory_us) for one shape on ``dev``; ``instrs`` from
+    ``loop_instructions(precision)``."""
     topk, extra = list_lengths(shape)
-    cfg = partial_shape_config(H, T, dev.num_sms)
+    cfg = partial_shape_config(H, T, dev.num_sms, precision)
     split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
     head_blocks = -(-H // cfg.heads_per_cta)
     ctas = T * head_blocks * split.num_splits
@@ -104,25 +110,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--h200-json", help="a scripts/bench.py --json file: check the model against it")
     args = ap.parse_args(argv)
-    instrs = loop_instructions()
+    instrs = {p: loop_instructions(p) for p in PRECISIONS}
     measured = {}
     if args.h200_json:
         for row in json.loads(Path(args.h200_json).read_text())["rows"]:
             measured[(row["T"], row["H"], row["topk"])] = row["us"]
     print(f"ESTIMATE, not a measurement: {RTX_PRO_6000.name}, {RTX_PRO_6000.num_sms} SMs, "
-          f"{RTX_PRO_6000.clock_ghz} GHz, {RTX_PRO_6000.memory_gbs:.0f} GB/s; main loop "
-          f"{instrs[1]} / {instrs[2]} instructions per thread and chunk (16 / 32 heads per CTA, "
-          f"sm_120a SASS); issue rate {ISSUE_RATE}, fixed {FIXED_US} us (H200 measurements)")
-    head = f"{'T':>4} {'H':>4} {'topk':>8} {'est. us':>8} {'issue us':>9} {'memory us':>10}"
+          f"{RTX_PRO_6000.clock_ghz} GHz, {RTX_PRO_6000.memory_gbs:.0f} GB/s; main loop instructions per "
+          f"thread and chunk (16 / 32 heads per CTA, sm_120a SASS): "
+          + ", ".join(f"{p} {instrs[p][1]} / {instrs[p][2]}" for p in PRECISIONS)
+          + f"; issue rate {ISSUE_RATE}, fixed {FIXED_US} us (H200 measurements)")
+    head = (f"{'T':>4} {'H':>4} {'topk':>8}" + "".join(f" {'est. us ' + p:>12}" for p in PRECISIONS)
+            + f" {'memory us':>10}")
     if measured:
         head += f" {'H200 model':>11} {'H200 measured':>14} {'model/meas.':>12}"
     print(head)
     errors = []
     for T, H, shape in GRID:
-        est, issue, mem = model_us(T, H, shape, RTX_PRO_6000, instrs)
-        line = f"{T:>4} {H:>4} {shape:>8} {est:>8.1f} {issue:>9.1f} {mem:>10.2f}"
+        ests = {p: model_us(T, H, shape, RTX_PRO_6000, instrs[p], p) for p in PRECISIONS}
+        mem = ests["bf16"][2]
+        line = f"{T:>4} {H:>4} {shape:>8}" + "".join(f" {ests[p][0]:>12.1f}" for p in PRECISIONS) + f" {mem:>10.2f}"
         if (T, H, shape) in measured:
-            h200 = model_us(T, H, shape, H200, instrs)[0]
+            h200 = model_us(T, H, shape, H200, instrs["bf16"])[0]
             ratio = h200 / measured[(T, H, shape)]
             errors.append(abs(math.log(ratio)))
             line += f" {h200:>11.1f} {measured[(T, H, shape)]:>14.1f} {ratio:>12.2f}"

@@ -17,7 +17,7 @@ from dispatch.variants import variant_space
 from scripts import aot_build
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICE = "merge|g1x16.*len11_final1_sink1"  # the two merge variants and one partial variant
+SLICE = "merge|bf16_g1x16.*len11_final1_sink1"  # the two merge variants and one partial variant
 
 
 @pytest.fixture(autouse=True)

@@ -21,5 +21,13 @@ def test_variant_builds_for_sm120_without_spills(variant, tmp_path, monkeypatch)
     assert res["registers"] <= 255
     assert (tmp_path / entry["object"]).stat().st_size > 0
     if variant.kind == "partial":
-        # QK (8 k-steps x 4 n-tiles) and PV (2 k-steps x 16 n-tiles) per warp, on the tensor cores
-        assert res["mma"] == {"HMMA.16816.F32.BF16": 64}
+        expected = {
+            # QK (8 k-steps x 4 n-tiles) and PV (2 k-steps x 16 n-tiles) per warp
+            "bf16": {"HMMA.16816.F32.BF16": 64},
+            # QK: 2 tiles x 4 n-tiles x (2 hi + 2 lo) e4m3; PV: 2 tiles x 8; rope: 4 + 4 bf16
+            "fp8": {"QMMA.16832.F32.E4M3.E4M3": 48, "HMMA.16816.F32.BF16": 8},
+            # the same, the QK e4m3 MMAs block-scaled (UE8M0 scale factors)
+            "mxf8": {"QMMA.SF.16832.F32.E4M3.E4M3.E8": 32, "QMMA.16832.F32.E4M3.E4M3": 16,
+                     "HMMA.16816.F32.BF16": 8},
+        }[variant.config.precision]
+        assert res["mma"] == expected

@@ -167,8 +167,9 @@ def check_against_reference(out, lse, ref_out, ref_lse, precision="bf16"):
     return worst, lse_err
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_decode_matches_reference(case: Case):
+def test_decode_matches_reference(case: Case, precision: str):
     device = torch.device("cuda")
     q, cache, idx, kw = build_inputs(case, device)
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
@@ -180,18 +181,18 @@ def test_decode_matches_reference(case: Case):
     for _ in range(2):
         out = torch.full((*lead, case.H, 512), math.nan, dtype=torch.bfloat16, device=device)
         lse = torch.full((*lead, case.H), math.nan, dtype=torch.float32, device=device)
-        got_out, got_lse = sparse_mla_decode(call_q, cache, call_idx, out=out, lse=lse, **kw)
+        got_out, got_lse = sparse_mla_decode(call_q, cache, call_idx, out=out, lse=lse, precision=precision, **kw)
         assert got_out is out and got_lse is lse, "out/lse given must be written in place and returned"
         outs.append((out.reshape(case.T, case.H, 512).clone(), lse.reshape(case.T, case.H).clone()))
     torch.cuda.synchronize()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
         "two runs on the same inputs differ: a race"
     props = torch.cuda.get_device_properties(device)
-    cfg = partial_shape_config(case.H, case.T, props.multi_processor_count)
+    cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision)
     plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, cfg=cfg,
                        num_sms=props.multi_processor_count, smem_per_sm=props.shared_memory_per_multiprocessor)
-    rel, lse_err = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse)
-    ACCURACY.append((f"groups={cfg.head_groups} splits={plan.num_splits} {case}", rel, lse_err))
+    rel, lse_err = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse, precision)
+    ACCURACY.append((f"{precision} groups={cfg.head_groups} splits={plan.num_splits} {case}", rel, lse_err))
 
 
 def test_allocates_outputs_with_leading_shape():
@@ -203,3 +204,22 @@ def test_allocates_outputs_with_leading_shape():
     assert lse.shape == (2, 3, 16) and lse.dtype == torch.float32
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
     check_against_reference(out.view(6, 16, 512), lse.view(6, 16), ref_out, ref_lse)
+
+
+def test_block_scaled_form_is_refused_where_the_gpu_lacks_it():
+    """precision="mxf8" (SM120's block-scaled MMA) on a GPU without it: refused before any
+    launch, naming the arch, and the outputs are untouched."""
+    from cute_kernels.arch import arch_for_capability
+    from cute_kernels.sparse_mla_decode.config import BLOCK_SCALED_ARCHS
+    from dispatch import InvalidDecodeInput
+
+    device = torch.device("cuda")
+    arch = arch_for_capability(torch.cuda.get_device_capability(device))
+    if arch in BLOCK_SCALED_ARCHS:
+        pytest.skip(f"{arch} has the block-scaled MMA")
+    q, cache, idx, kw = build_inputs(Case(T=2, H=16, topk=64), device)
+    out = torch.full((2, 16, 512), math.nan, dtype=torch.bfloat16, device=device)
+    with pytest.raises(InvalidDecodeInput, match=f"'mxf8' is not available on {arch}"):
+        sparse_mla_decode(q, cache, idx, out=out, precision="mxf8", **kw)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()

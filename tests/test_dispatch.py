@@ -12,7 +12,9 @@ from dispatch import InvalidDecodeInput, sparse_mla_decode
 from dispatch.metadata import MODEL_TYPE, DecodeMetadata
 from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
 from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm
-from dispatch.variants import head_groups_for, partial_shape_config, variant_space, variants_for
+from dispatch.variants import (
+    head_groups_for, partial_shape_config, precisions_for, resolve_precision, variant_space, variants_for,
+)
 from tests.dsv4_inputs import make_cache, make_indices
 
 
@@ -141,6 +143,7 @@ BAD = [
     ("lse dtype", {}, dict(lse=torch.empty(2, 16, dtype=torch.bfloat16)), "lse must be float32"),
     ("lse shape", {}, dict(lse=torch.empty(16, 2)), "lse has shape [16, 2], expected [2, 16]"),
     ("lse convention", {}, dict(lse_convention="log10"), "lse_convention must be 'natural' or 'log2_with_sink'"),
+    ("precision unknown", {}, dict(precision="fp16"), "precision must be one of ('bf16', 'fp8', 'mxf8')"),
     ("valid but on cpu", {}, {}, "the kernels run on CUDA devices only"),
 ]
 
@@ -181,3 +184,19 @@ def test_resident_ctas_per_sm():
     assert resident_ctas_per_sm(one, SM120_SMEM_PER_SM) == resident_ctas_per_sm(two, SM120_SMEM_PER_SM) == 1
     assert resident_ctas_per_sm(one, H200_SMEM_PER_SM) == 2
     assert resident_ctas_per_sm(two, H200_SMEM_PER_SM) == 1
+
+
+def test_precision_defaults_and_availability():
+    """bf16 unless asked (by measurement: README "Precision"); the block-scaled form only
+    where the hardware has it, refused elsewhere with the arch named."""
+    for arch in ("sm_90a", "sm_120a", "sm_121a"):
+        assert resolve_precision(None, arch) == "bf16"
+        assert resolve_precision("fp8", arch) == "fp8"
+    assert precisions_for("sm_120a") == precisions_for("sm_121a") == ("bf16", "fp8", "mxf8")
+    assert precisions_for("sm_90a") == ("bf16", "fp8")
+    with pytest.raises(ValueError, match="'mxf8' is not available on sm_90a"):
+        resolve_precision("mxf8", "sm_90a")
+    for arch in ("sm_90a", "sm_120a"):
+        counts = {p: sum(1 for v in variant_space(arch) if v.kind == "partial" and v.config.precision == p)
+                  for p in precisions_for(arch)}
+        assert set(counts.values()) == {20}  # every precision serves every call shape (12 + 8)

@@ -39,10 +39,13 @@ def test_round_e4m3_pow2_keeps_e4m3_bounds():
     assert scale.shape == (64, 1)
 
 
-@pytest.mark.parametrize("extra,q_terms,p_format", [(False, 1, "e4m3"), (True, 1, "e4m3"), (True, 2, "e4m3"),
-                                                    (True, 2, "bf16")])
-def test_fp8_model_without_rounding_is_the_reference(monkeypatch, extra, q_terms, p_format):
-    monkeypatch.setattr(fp8_model, "round_e4m3_pow2", lambda x, dim: x)
+@pytest.mark.parametrize("extra,form", [
+    (False, dict(q_terms=1, p_format="e4m3")), (True, dict(q_terms=1, p_format="e4m3")),
+    (True, dict(q_terms=2, p_format="e4m3")), (True, dict(q_terms=2, p_format="bf16")),
+    (False, fp8_model.KERNEL_FORM), (True, fp8_model.KERNEL_FORM),
+])
+def test_fp8_model_without_rounding_is_the_reference(monkeypatch, extra, form):
+    monkeypatch.setattr(fp8_model, "round_e4m3", lambda x: x)
     monkeypatch.setattr(fp8_model, "round_bf16", lambda x: x)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     T, H, topk = 5, 8, 100  # 100: not a multiple of the 32-entry chunk
@@ -56,7 +59,7 @@ def test_fp8_model_without_rounding_is_the_reference(monkeypatch, extra, q_terms
                   extra_indices=make_indices(T, 70, 80, device="cpu", invalid_frac=0.1, gen=gen),
                   extra_topk_length=torch.tensor([70, 0, 12, 70, 33], dtype=torch.int32))
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    out, lse = fp8_model.fp8_path_decode(q, cache, idx, q_terms=q_terms, p_format=p_format, **kw)
+    out, lse = fp8_model.fp8_path_decode(q, cache, idx, **form, **kw)
     assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-6)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse)) and torch.equal(ref_lse[~finite], lse[~finite])
@@ -72,6 +75,8 @@ def test_fp8_model_refuses_unknown_forms():
         fp8_model.fp8_path_decode(q, cache, idx, q_terms=3)
     with pytest.raises(ValueError, match="p_format"):
         fp8_model.fp8_path_decode(q, cache, idx, p_format="e5m2")
+    with pytest.raises(ValueError, match="q_scale"):
+        fp8_model.fp8_path_decode(q, cache, idx, q_scale="row")
 
 
 def test_two_q_terms_are_closer_than_one():
@@ -80,3 +85,34 @@ def test_two_q_terms_are_closer_than_one():
     one = fp8_model.round_e4m3_pow2(x, dim=-1)
     two = one + fp8_model.round_e4m3_pow2(x - one, dim=-1)
     assert (two - x).norm() < (one - x).norm() / 8  # the second term holds ~4 more bits
+
+
+def test_head_scaled_two_terms_hold_about_8_bits():
+    """The kernel's Q operands: hi + lo / 16 per head is within 2**-8 of the row's largest
+    magnitude of every element (one term: only 2**-4), for rows spanning many binades."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(32, 448, generator=gen) * torch.exp2(torch.randint(-20, 20, (32, 1), generator=gen).float())
+    x = x.bfloat16().float()  # the kernel's input is bf16
+    amax = x.abs().amax(-1, keepdim=True)
+    one = fp8_model.round_e4m3_head_two_terms(x, terms=1)
+    two = fp8_model.round_e4m3_head_two_terms(x, terms=2)
+    assert torch.all((two - x).abs() <= amax * 2.0**-8)
+    assert torch.any((one - x).abs() > amax * 2.0**-8)
+
+
+def test_kernel_form_accuracy_is_inside_the_gpu_tolerance():
+    """The FP8 kernels are tested against OUT_REL_L2_MAX["fp8"] / LSE_ABS_MAX["fp8"]: the
+    model of their rounding must sit well inside those bounds on random inputs (this ties
+    the tolerance to the arithmetic, not to what a kernel happened to produce)."""
+    from tests.tolerances import LSE_ABS_MAX, OUT_REL_L2_MAX
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    cache = make_cache(64, 64, device="cpu", gen=gen)
+    for topk, q_scale in ((100, 1.0), (512, 1.0), (512, 8.0)):
+        q = (torch.randn(4, 16, 512, generator=gen) * q_scale).bfloat16()
+        idx = make_indices(4, topk, 64 * 64, device="cpu", invalid_frac=0.1, gen=gen)
+        ref_out, ref_lse = reference_decode(q, cache, idx)
+        out, lse = fp8_model.fp8_path_decode(q, cache, idx, **fp8_model.KERNEL_FORM)
+        rel = ((out - ref_out).norm(dim=(1, 2)) / ref_out.norm(dim=(1, 2))).max().item()
+        assert rel <= OUT_REL_L2_MAX["fp8"] / 2, rel
+        assert (lse - ref_lse).abs().max().item() <= LSE_ABS_MAX["fp8"] / 10

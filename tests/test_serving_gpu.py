@@ -208,7 +208,8 @@ def test_flashinfer_adapter_conventions():
     assert (err[scale == 0] == 0).all() and (err[scale > 0] / scale[scale > 0]).max() <= OUT_REL_L2_MAX["bf16"]
 
 
-def test_out_of_range_indices_are_never_read():
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_out_of_range_indices_are_never_read(precision):
     gen = torch.Generator().manual_seed(1)
     cache = make_cache(8, 64, device=DEV, gen=gen)
     n = 8 * 64
@@ -216,9 +217,9 @@ def test_out_of_range_indices_are_never_read():
     idx = torch.cat([bad.repeat(4, 1), torch.randint(0, n, (4, 10), generator=gen).int()], dim=1).to(DEV)
     idx[3, 6:] = -1  # token 3: only invalid entries
     q = torch.randn(4, 8, 512, generator=gen).bfloat16().to(DEV)
-    out, lse = sparse_mla_decode(q, cache, idx)
+    out, lse = sparse_mla_decode(q, cache, idx, precision=precision)
     ref_out, ref_lse = reference_decode(q, cache, idx)
-    check_against_reference(out, lse, ref_out, ref_lse)
+    check_against_reference(out, lse, ref_out, ref_lse, precision)
     assert torch.isposinf(lse[3]).all() and (out[3] == 0).all()
 
 

@@ -7,6 +7,6 @@ f32 scores of exactly dequantized values, so its error is f32 rounding only.
 """
 
 # relative L2 error of out, per query token: ||out - ref|| / ||ref|| over [H, 512]
-OUT_REL_L2_MAX = {"bf16": 1e-2}
+OUT_REL_L2_MAX = {"bf16": 1e-2, "fp8": 5e-2}
 # absolute error of lse (natural log) where the reference is finite
-LSE_ABS_MAX = {"bf16": 1e-3}
+LSE_ABS_MAX = {"bf16": 1e-3, "fp8": 1e-3}

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import D_QK, ROW_BYTES, SCALE_BYTES
+from .layout import D_QK, SCALE_BYTES
 
 SMEM_LIMIT_BYTES = 101376  # 99 KB: the most an SM120 CTA may use
 SLOT_BUFFERS = 3  # the partial kernel loads each chunk's indices two chunks ahead of their use
-PRECISIONS = ("bf16",)
+# Shared-memory bytes per gathered row: the 576 data bytes padded to 592 (37 x 16) so that 8
+# consecutive rows start 20 banks apart: ldmatrix on the raw rows (the FP8 path reads K and V
+# straight from them) is then free of bank conflicts; 576 would put rows 2 apart on the same banks.
+RAW_ROW_STRIDE = 592
+PRECISIONS = ("bf16", "fp8", "mxf8")
+BLOCK_SCALED_ARCHS = ("sm_120a", "sm_121a")  # the archs with the block-scaled MMA ("mxf8")
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,13 @@ class PartialConfig:
     final_output: write the bf16 output and natural-log lse directly (one split, no merge)
         instead of f32 partials.
     has_sink: apply attn_sink in the epilogue (final_output only; else the merge does it).
-    precision: the compute path ("bf16": FP8 nope values dequantized to bf16 on the way in).
+    precision: the compute path. "bf16": the FP8 nope values are dequantized to a bf16 tile
+        and every MMA is bf16. "fp8": QK and PV over the nope dims run as e4m3 MMAs straight
+        on the gathered cache bytes (no dequantization; Q as two e4m3 terms, the
+        probabilities requantized to e4m3 with the value scales folded in), the rope dims in
+        bf16 (``partial_fp8.py``). "mxf8": the same with the SM120 block-scaled MMA for QK
+        (sm_120a/sm_121a only; compiled and SASS-checked, not executed by this project's
+        tests, whose GPU is an H200).
     """
 
     has_topk_length: bool = False
@@ -60,14 +71,22 @@ class PartialConfig:
     @property
     def stage_bytes(self) -> int:
         """Raw bytes one gathered chunk occupies in shared memory: rows, then scales."""
-        return self.block_n * (ROW_BYTES + SCALE_BYTES)
+        return self.block_n * (RAW_ROW_STRIDE + SCALE_BYTES)
+
+    @property
+    def q_region_bytes(self) -> int:
+        """FP8 path: the bf16 Q tile, later every thread's 36 Q operand registers."""
+        return max(self.heads_per_cta * D_QK * 2, self.num_threads * 36 * 4)
 
     def smem_bytes(self) -> int:
-        kv_tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
+        if self.precision == "bf16":
+            tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
+        else:
+            tile = self.q_region_bytes + self.heads_per_cta * 4  # Q (bf16, then operands) and per-head scales
         raw = self.num_stages * self.stage_bytes
         s_exchange = self.num_warps * self.heads_per_group * self.block_n * 4  # per group: its warps' S tiles
         slots = SLOT_BUFFERS * (self.block_n * 4 + 4)  # raw indices and validity masks
-        return kv_tile + raw + s_exchange + slots + 1024  # + alignment slack
+        return tile + raw + s_exchange + slots + 1024  # + alignment slack
 
     def check(self) -> None:
         """Raise ValueError when this configuration cannot be generated."""

@@ -65,7 +65,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
-from .config import SLOT_BUFFERS, PartialConfig
+from .config import RAW_ROW_STRIDE, SLOT_BUFFERS, PartialConfig
 from .device_utils import LN_2, load_f32, load_i32, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
 
@@ -94,7 +94,7 @@ class SparseMlaPartialKernel:
         self.nthr = cfg.num_threads
         self.wslice = D_QK // cfg.warps_per_group  # QK/output columns per warp
         self.stage_bytes = cfg.stage_bytes
-        self.scale_off = cfg.block_n * ROW_BYTES  # scales follow the rows in a stage
+        self.scale_off = cfg.block_n * RAW_ROW_STRIDE  # scales follow the rows in a stage
 
     def fake_args(self) -> list:
         """Stand-ins for every ``__call__`` argument, to compile with no tensors and no GPU."""
@@ -192,9 +192,11 @@ class SparseMlaPartialKernel:
             grid=(num_tokens, head_blocks, num_splits),
             block=(self.nthr, 1, 1),
             stream=stream,
+            # .minnctapersm 1: ptxas may use every register (without it, it capped the
+            # one-group block-scaled FP8 kernel at 168 registers and spilled)
+            min_blocks_per_mp=1,
         )
 
-    # ------------------------------------------------------------------ helpers
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(
@@ -257,12 +259,7 @@ class SparseMlaPartialKernel:
         c_begin = split * chunks_per_split
         c_end = cutlass.min(c_begin + chunks_per_split, n_chunks)
 
-        main_limit = main_topk
-        if const_expr(self.cfg.has_topk_length):
-            main_limit = cutlass.max(cutlass.min(load_i32(main_len.toint() + Int64(token) * 4), main_topk), 0)
-        extra_limit = extra_topk
-        if const_expr(self.cfg.has_extra_topk_length):
-            extra_limit = cutlass.max(cutlass.min(load_i32(extra_len.toint() + Int64(token) * 4), extra_topk), 0)
+        main_limit, extra_limit = self._length_limits(main_len, main_topk, extra_len, extra_topk, token)
         main_idx_row = main_idx.toint() + Int64(token) * main_idx_stride * 4
         extra_idx_row = extra_idx.toint() + Int64(token) * extra_idx_stride * 4
 
@@ -287,21 +284,7 @@ class SparseMlaPartialKernel:
         g2s_8 = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64)
         g2s_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
 
-        # ---- stage Q [16, 512] (rows >= H are zero-filled, never read)
-        thr_store = tiled_store.get_slice(tidx)
-        tQsQ = thr_store.partition_D(sQ)
-        tQcQ = thr_store.partition_D(cute.make_identity_tensor((hb, D_QK)))
-        for i in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-            row = tQcQ[(0, 0), i, 0][0]
-            col = tQcQ[(0, 0), i, 0][1]
-            if head0 + row < num_heads:
-                addr = q.toint() + (Int64(token) * q_stride_t + Int64(head0 + row) * q_stride_h + Int64(col)) * 2
-                src = cute.make_tensor(
-                    cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8)
-                )
-                cute.copy(cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128), src, tQsQ[None, i, 0])
-            else:
-                tQsQ[None, i, 0].fill(0.0)
+        self._stage_q(q, q_stride_t, q_stride_h, num_heads, token, head0, sQ, tiled_store, tidx)
 
         # ---- the first two chunks' indices (cp.async, in the same group as Q), then the
         # first chunk's rows
@@ -313,16 +296,7 @@ class SparseMlaPartialKernel:
             extra_num_slots=extra_num_slots, extra_page=extra_page, extra_block_stride=extra_block_stride,
             extra_base=extra_cache.toint(), g2s_16=g2s_16, g2s_8=g2s_8, g2s_4=g2s_4,
         )
-        if c_begin < c_end:
-            self._issue_indices(ctx, c_begin, Int32(0))
-        if c_begin + 1 < c_end:
-            self._issue_indices(ctx, c_begin + 1, Int32(1))
-        cute.arch.cp_async_commit_group()  # group: Q and the first indices
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()  # Q and the indices visible
-        if c_begin < c_end:
-            self._issue_rows(ctx, c_begin, Int32(0), Int32(0))
-        cute.arch.cp_async_commit_group()  # group: rows of the first chunk
+        self._start_pipeline(ctx, c_begin, c_end)
 
         # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
         thr_mma = tiled_mma.get_slice(lane)
@@ -465,13 +439,7 @@ class SparseMlaPartialKernel:
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
             row = tOcO_mn[r, 0][0]
             if ghead0 + row < num_heads:
-                gate = Float32(0.0)
-                lse2 = -Float32.inf
-                if total > 0.0:
-                    gate = 1.0 / total
-                    lse2 = row_max[r] + cute.math.log2(total, fastmath=False)
-                    if const_expr(final and self.cfg.has_sink):
-                        gate = gate * sink_gate(load_f32(attn_sink.toint() + Int64(ghead0 + row) * 4), lse2)
+                gate, lse2 = self._gate_and_lse2(total, row_max[r], attn_sink, ghead0 + row)
                 for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                     if const_expr(final):
                         tOgO_mn[r, j] = BFloat16(acc_O_mn[r, j] * gate)
@@ -479,16 +447,86 @@ class SparseMlaPartialKernel:
                         tOgO_mn[r, j] = acc_O_mn[r, j] * gate
                 if wq == 0:  # one warp per group writes its heads' lse
                     if lane % 4 == 0:
-                        if const_expr(final):
-                            lse_nat = Float32.inf
-                            if total > 0.0:
-                                lse_nat = lse2 * LN_2
-                            store_f32(
-                                lse.toint() + (Int64(token) * lse_stride_t + Int64(ghead0 + row) * lse_stride_h) * 4,
-                                lse_nat,
-                            )
-                        else:
-                            store_f32(lse_part.toint() + (o_row0 + ghead0 + row) * 4, lse2)
+                        self._store_lse(total, lse2, token, split, num_splits, num_heads, ghead0 + row,
+                                        lse_part, lse, lse_stride_t, lse_stride_h)
+
+    # ------------------------------------------------------------------ epilogue pieces
+    @cute.jit
+    def _gate_and_lse2(self, total: Float32, row_max: Float32, attn_sink: cute.Pointer, head: Int32):
+        """(factor for the accumulated output row, lse in log2 units) of a head whose
+        probabilities sum to ``total`` after the running max ``row_max``. An empty row (no
+        valid entry) has total 0: factor 0 and lse -inf. The sink is applied in final mode."""
+        gate = Float32(0.0)
+        lse2 = -Float32.inf
+        if total > 0.0:
+            gate = 1.0 / total
+            lse2 = row_max + cute.math.log2(total, fastmath=False)
+            if const_expr(self.cfg.final_output and self.cfg.has_sink):
+                gate = gate * sink_gate(load_f32(attn_sink.toint() + Int64(head) * 4), lse2)
+        return gate, lse2
+
+    @cute.jit
+    def _store_lse(self, total: Float32, lse2: Float32, token: Int32, split: Int32, num_splits: Int32,
+                   num_heads: Int32, head: Int32, lse_part: cute.Pointer, lse: cute.Pointer,
+                   lse_stride_t: Int64, lse_stride_h: Int64):
+        """Write a head's lse: natural log (+inf for an empty row) in final mode, the split's
+        log2 lse in partial mode."""
+        if const_expr(self.cfg.final_output):
+            lse_nat = Float32.inf
+            if total > 0.0:
+                lse_nat = lse2 * LN_2
+            store_f32(lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_nat)
+        else:
+            store_f32(lse_part.toint() + ((Int64(token) * num_splits + split) * num_heads + head) * 4, lse2)
+
+    # ------------------------------------------------------------------ prologue pieces
+    @cute.jit
+    def _length_limits(self, main_len: cute.Pointer, main_topk: Int32, extra_len: cute.Pointer,
+                       extra_topk: Int32, token: Int32):
+        """How many leading entries of each list count for ``token`` (topk_length clamped to
+        [0, topk], or topk when the call has no length tensor)."""
+        main_limit = main_topk
+        if const_expr(self.cfg.has_topk_length):
+            main_limit = cutlass.max(cutlass.min(load_i32(main_len.toint() + Int64(token) * 4), main_topk), 0)
+        extra_limit = extra_topk
+        if const_expr(self.cfg.has_extra_topk_length):
+            extra_limit = cutlass.max(cutlass.min(load_i32(extra_len.toint() + Int64(token) * 4), extra_topk), 0)
+        return main_limit, extra_limit
+
+    @cute.jit
+    def _stage_q(self, q: cute.Pointer, q_stride_t: Int64, q_stride_h: Int64, num_heads: Int32, token: Int32,
+                 head0: Int32, sQ: cute.Tensor, tiled_store: cute.TiledCopy, tidx: Int32):
+        """Start the cp.async of Q [heads_per_cta, 512] into ``sQ`` (rows >= H are zero-filled,
+        never read); ``_start_pipeline`` commits and waits for it."""
+        thr_store = tiled_store.get_slice(tidx)
+        tQsQ = thr_store.partition_D(sQ)
+        tQcQ = thr_store.partition_D(cute.make_identity_tensor((self.hb, D_QK)))
+        for i in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            row = tQcQ[(0, 0), i, 0][0]
+            col = tQcQ[(0, 0), i, 0][1]
+            if head0 + row < num_heads:
+                addr = q.toint() + (Int64(token) * q_stride_t + Int64(head0 + row) * q_stride_h + Int64(col)) * 2
+                src = cute.make_tensor(
+                    cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8)
+                )
+                cute.copy(cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128), src, tQsQ[None, i, 0])
+            else:
+                tQsQ[None, i, 0].fill(0.0)
+
+    @cute.jit
+    def _start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
+        """The first two chunks' indices (cp.async, in the same group as Q), a wait for them
+        and Q (visible to every thread on return), then the first chunk's rows (in flight)."""
+        if c_begin < c_end:
+            self._issue_indices(ctx, c_begin, Int32(0))
+        if c_begin + 1 < c_end:
+            self._issue_indices(ctx, c_begin + 1, Int32(1))
+        cute.arch.cp_async_commit_group()  # group: Q and the first indices
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # Q and the indices visible
+        if c_begin < c_end:
+            self._issue_rows(ctx, c_begin, Int32(0), Int32(0))
+        cute.arch.cp_async_commit_group()  # group: rows of the first chunk
 
     # ------------------------------------------------------------------ per-chunk stages
     @cute.jit
@@ -575,6 +613,24 @@ class SparseMlaPartialKernel:
             mask = cute.arch.vote_ballot_sync(valid)
             if tidx == 0:
                 sMask[buf] = mask
+        if const_expr(self.cfg.precision != "bf16"):
+            # the FP8 path multiplies the raw rows directly: an invalid entry's row must be
+            # zeros (its probability is 0, and 0 times stale bytes that decode as NaN is NaN)
+            if slot < 0:
+                for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
+                    piece = r + k * tpr
+                    if piece < pieces:
+                        cute.make_tensor(
+                            cute.make_ptr(Int32, stage_base + e * RAW_ROW_STRIDE + piece * 16, cute.AddressSpace.smem,
+                                          assumed_align=16),
+                            cute.make_layout(4),
+                        ).fill(0)
+                if r == tpr - 1:
+                    cute.make_tensor(
+                        cute.make_ptr(Int32, stage_base + self.scale_off + e * SCALE_BYTES, cute.AddressSpace.smem,
+                                      assumed_align=8),
+                        cute.make_layout(2),
+                    ).fill(0)
         if slot >= 0:
             blk = slot // page
             off = slot - blk * page
@@ -582,10 +638,10 @@ class SparseMlaPartialKernel:
             for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
                 piece = r + k * tpr
                 if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
-                    self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * ROW_BYTES + piece * 16)
+                    self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * RAW_ROW_STRIDE + piece * 16)
                 else:
                     if piece < pieces:
-                        self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * ROW_BYTES + piece * 16)
+                        self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * RAW_ROW_STRIDE + piece * 16)
             if r == tpr - 1:  # the row's scales: by the thread with the fewest pieces
                 gaddr = base + Int64(blk) * block_stride + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
                 src = cute.make_tensor(
@@ -620,7 +676,7 @@ class SparseMlaPartialKernel:
             else:
                 if col < D_NOPE:
                     f8 = cute.make_tensor(
-                        cute.make_ptr(Float8E4M3FN, stage_base + row * ROW_BYTES + col, cute.AddressSpace.smem, assumed_align=16),
+                        cute.make_ptr(Float8E4M3FN, stage_base + row * RAW_ROW_STRIDE + col, cute.AddressSpace.smem, assumed_align=16),
                         cute.make_layout(DEQUANT_VALUES),
                     )
                     sb = cute.make_tensor(
@@ -633,7 +689,7 @@ class SparseMlaPartialKernel:
                     dst.store((f8.load().to(Float32) * scale).to(BFloat16))
                 else:
                     rope = cute.make_tensor(
-                        cute.make_ptr(BFloat16, stage_base + row * ROW_BYTES + D_NOPE + (col - D_NOPE) * 2, cute.AddressSpace.smem, assumed_align=16),
+                        cute.make_ptr(BFloat16, stage_base + row * RAW_ROW_STRIDE + D_NOPE + (col - D_NOPE) * 2, cute.AddressSpace.smem, assumed_align=16),
                         cute.make_layout(DEQUANT_VALUES),
                     )
                     dst.store(rope.load())

@@ -1,0 +1,523 @@
+"""Split-K partial kernel, FP8 compute path (``PartialConfig.precision`` "fp8" or "mxf8").
+
+Same work split, gather pipeline, softmax and outputs as the bf16 kernel (``partial.py``,
+whose docstring describes them); what differs is the MMA step. Nothing is dequantized: the
+tensor cores read the gathered cache rows in shared memory as they are.
+
+Per CTA (once): Q [heads, 512] is staged in shared memory; each head gets one power-of-two
+scale sq = 2**ceil(log2(amax / 448)) over its 448 nope dims, and every warp turns its part
+of Q into e4m3 MMA operands as two terms, hi = e4m3(q / sq) and lo = e4m3(16 (q / sq - hi)),
+so q / sq ~= hi + lo / 16 to about 8 significant bits (bf16's); the rope part of Q stays
+bf16, divided by sq (exact), so every partial score is in units of sq and sq joins the
+softmax scale of its row. The operands go back to shared memory (9 x 16 bytes per thread),
+read once per chunk.
+
+Per chunk, warp w of a group owns nope tiles w and w + 4 (64 columns each, one UE8M0 scale
+per entry; the last warp has no second tile and computes zeros there) and rope columns
+448 + 16 w .. + 16, for QK and for the output:
+- QK, nope tile: per 8-entry n tile one ``ldmatrix.x4`` of the raw rows is the e4m3 B
+  fragment of two k32 steps; "fp8": lo terms, times 1/16, then hi terms (four e4m3
+  ``mma.m16n8k32``), the partial added to S times the entry's K scale 2**(b - 127);
+  "mxf8": the block-scaled MMA applies 2**-4 / 2**0 (A) and the entry's byte b (B) itself.
+- QK, rope: bf16 ``mma.m16n8k16`` on the raw rows' bf16 rope bytes.
+- S exchange and online softmax as in the bf16 kernel.
+- PV, nope tile: P (<= 1 after the running max) times 2**(b - R + 8), R the running maximum
+  of the tile's scale byte over the valid entries of the split so far (so P' <= 256 < 448),
+  rounded to e4m3; the value fragments are the raw rows read by ``ldmatrix.x4.trans``
+  (rows 2q, 2q+1 of 8-entry groups) regrouped by byte permutes into k order {2q, 2q+1,
+  8+2q, 9+2q} (+16): exactly the entries of P this thread holds in its S registers, so
+  neither operand moves between threads. Output columns come out as even/odd pairs of
+  16-column blocks (each thread ends with 4 contiguous columns). When R grows, the tile's
+  accumulator is rescaled with the softmax correction; the epilogue multiplies by
+  2**(R - 135).
+- PV, rope: P in bf16 times the raw bf16 rope rows (``ldmatrix.trans``).
+Invalid entries have zero rows (``_issue_rows`` zero-fills them) and probability 0.
+The rounding is ``fp8_model.KERNEL_FORM``.
+
+Measured facts (BENCHMARKS.md has the runs):
+- The H200 (sm_90) has no e4m3 ``mma.sync``: ptxas lowers each m16n8k32 e4m3 MMA to two
+  f16 HMMA.16816 and F2FP unpacks. The sm_90a main loop is 1267 instructions per thread
+  and chunk (two head groups) against 918 for sm_120a; ncu at T=64, H=64, topk=512: 21.8M
+  instructions executed against 13.9M for the bf16 kernel, 82 against 74 us. So on the
+  H200 this path is slower than bf16 on every bench shape and is not the default there;
+  its tests check its arithmetic, not its SM120 speed.
+- sm_120a main loop per thread and chunk (two head groups): "fp8" 918, "mxf8" 841, bf16 921.
+- A first version gave the rope to the last warp (its second unit) under a warp-dependent
+  branch: ptxas predicated both sides into every warp's stream (1000+ loop instructions).
+  Every warp now runs the same code. Q operands held in registers across the loop pushed
+  the one-group partial-mode kernel to 255 registers with spills; from shared memory: 0.
+- Accuracy (GPU suite, 27 cases): out relative L2 error 0.7e-2 .. 2.1e-2 per token, lse
+  at most 1.4e-6; the model of this rounding predicts the same (README "Precision").
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+from .config import RAW_ROW_STRIDE, SLOT_BUFFERS
+from .device_utils import store_f32
+from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BIAS
+from .partial import SparseMlaPartialKernel
+from .warp_ops import (
+    byte_perm, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_e4m3, mma_mxf8, pack_bf16x2, pack_e4m3x4,
+    quantize_two_terms, warp_max_u32,
+)
+
+UNIT = 64  # columns per nope unit: one scale tile
+Q_REGS = 36  # Q operand registers per thread: 2 nope units x 16, 4 for the rope dims
+P_HEADROOM_LOG2 = 8  # P' = P * 2**(b - R + 8) <= 256: inside e4m3's range, 8 binades above P
+
+
+def _smem_ptr(dtype, addr, align):
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=align), cute.make_layout(1))
+
+
+def _smem_vec(dtype, addr, n):
+    """``n`` elements at a shared-memory address aligned to their total size."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=n * dtype.width // 8),
+                            cute.make_layout(n))
+
+
+@cute.jit
+def _load_regs(addr, n: int) -> list:
+    """``n`` (4 or 8) Int32 registers from 16-byte groups at ``addr`` (groups 32 * 16 bytes apart)."""
+    regs = []
+    for k in cutlass.range_constexpr(n // 4):
+        r = cute.make_rmem_tensor(4, Int32)
+        cute.autovec_copy(_smem_vec(Int32, addr + k * 32 * 16, 4), r)
+        regs += [r[0], r[1], r[2], r[3]]
+    return regs
+
+
+@cute.jit
+def _scale_exponent(amax: Float32) -> Int32:
+    """E = ceil(log2(amax / 448)) from the bits of amax / 448 (exact, unlike a log2), 0 for
+    amax = 0, clamped to the normal range [-126, 127]."""
+    bits = f32_bits(amax / FP8_E4M3_MAX)
+    e = ((bits >> 23) & 0xFF) - 127
+    if bits & 0x7FFFFF != 0:
+        e = e + 1
+    if bits == 0:
+        e = Int32(0)
+    return cutlass.min(cutlass.max(e, -126), 127)
+
+
+class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
+    """The FP8-path partial kernel for one ``PartialConfig`` (precision "fp8" or "mxf8")."""
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Pointer,
+        q_stride_t: Int64,
+        q_stride_h: Int64,
+        num_heads: Int32,
+        main_cache: cute.Pointer,
+        main_page: Int32,
+        main_block_stride: Int64,
+        main_num_slots: Int32,
+        main_idx: cute.Pointer,
+        main_idx_stride: Int64,
+        main_topk: Int32,
+        main_len: cute.Pointer,
+        extra_cache: cute.Pointer,
+        extra_page: Int32,
+        extra_block_stride: Int64,
+        extra_num_slots: Int32,
+        extra_idx: cute.Pointer,
+        extra_idx_stride: Int64,
+        extra_topk: Int32,
+        extra_len: cute.Pointer,
+        sm_scale_log2: Float32,
+        chunks_per_split: Int32,
+        num_splits: Int32,
+        o_part: cute.Pointer,
+        lse_part: cute.Pointer,
+        out: cute.Pointer,
+        out_stride_t: Int64,
+        out_stride_h: Int64,
+        lse: cute.Pointer,
+        lse_stride_t: Int64,
+        lse_stride_h: Int64,
+        attn_sink: cute.Pointer,
+        kv_layout: cute.ComposedLayout,
+        q_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        tiled_store: cute.TiledCopy,
+        tiled_dequant: cute.TiledCopy,
+    ):
+        bn, hb, hg = self.bn, self.hb, self.hg
+        if const_expr(not self.cfg.final_output):
+            cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        token, head_block, split = cute.arch.block_idx()
+        warp_id = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        qd = lane % 4
+        group = warp_id // self.wpg
+        wq = warp_id % self.wpg
+        head0 = head_block * hb
+        ghead0 = head0 + group * hg
+        # nope tiles of this warp: wq and wq + 4; the last warp has no second tile and runs
+        # its unit 1 on tile 0 with Q operands of 0 (an exact 0 contribution: tile 0 holds
+        # finite FP8 values and scales), its output never stored
+        has_unit1 = wq + self.wpg < NUM_TILES
+        tile1 = wq + self.wpg
+        keep1 = Float32(1.0)
+        if not has_unit1:
+            tile1 = Int32(0)
+            keep1 = Float32(0.0)
+
+        n_main_chunks = (main_topk + bn - 1) // bn
+        n_chunks = n_main_chunks + (extra_topk + bn - 1) // bn
+        c_begin = split * chunks_per_split
+        c_end = cutlass.min(c_begin + chunks_per_split, n_chunks)
+        main_limit, extra_limit = self._length_limits(main_len, main_topk, extra_len, extra_topk, token)
+
+        # ---- shared memory
+        smem = SmemAllocator()
+        # bf16 Q first, then (same bytes, after a barrier) every thread's Q operands
+        sQbuf = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.q_region_bytes), byte_alignment=1024)
+        sQ = cute.make_tensor(cute.recast_ptr(sQbuf.iterator, dtype=BFloat16), q_layout)
+        sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
+        sS = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
+            byte_alignment=16,
+        )
+        sMask = smem.allocate_tensor(Int32, cute.make_layout(SLOT_BUFFERS), byte_alignment=16)
+        sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
+        sQexp = smem.allocate_tensor(Int32, cute.make_layout(hb), byte_alignment=16)  # per-head log2(sq)
+        raw_base = sRaw.iterator.toint()
+        sidx_base = sIdx.iterator.toint()
+        q_base = sQbuf.iterator.toint()
+
+        ctx = SimpleNamespace(
+            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sMask=sMask, sIdx=sIdx, sidx_base=sidx_base,
+            main_idx_row=main_idx.toint() + Int64(token) * main_idx_stride * 4, main_topk=main_topk,
+            main_limit=main_limit, main_num_slots=main_num_slots, main_page=main_page,
+            main_block_stride=main_block_stride, main_base=main_cache.toint(),
+            extra_idx_row=extra_idx.toint() + Int64(token) * extra_idx_stride * 4, extra_topk=extra_topk,
+            extra_limit=extra_limit, extra_num_slots=extra_num_slots, extra_page=extra_page,
+            extra_block_stride=extra_block_stride, extra_base=extra_cache.toint(),
+            g2s_16=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=128),
+            g2s_8=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64),
+            g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
+        )
+        self._stage_q(q, q_stride_t, q_stride_h, num_heads, token, head0, sQ, tiled_store, tidx)
+        self._start_pipeline(ctx, c_begin, c_end)  # waits for Q and the first indices
+
+        # ---- per-head Q scale: 8 threads per head, each the max of 56 nope values
+        qh = tidx // 8
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(D_NOPE // 8):
+            amax = cute.arch.fmax(amax, abs(sQ[qh, i * 8 + tidx % 8].to(Float32)))
+        for off in (4, 2, 1):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off, mask=-1, mask_and_clamp=31))
+        if tidx % 8 == 0:
+            sQexp[qh] = _scale_exponent(amax)
+        cute.arch.sync_threads()
+
+        # ---- this thread's Q operands: nope unit u (tile wq, tile1): hi and lo terms of two
+        # k32 steps (16 registers); rope: k16 step wq of the rope dims (4 registers). Every
+        # warp runs the same code (the last warp's unit 1 computes zeros): ptxas predicated
+        # warp-dependent branches of this size into every warp's instruction stream.
+        rows = [group * hg + g, group * hg + g + 8]  # CTA-local heads of this thread's rows
+        row_exp = [sQexp[rows[0]], sQexp[rows[1]]]
+        inv_sq = [f32_from_bits((127 - row_exp[i]) << 23) for i in range(2)]
+        row_scale = [sm_scale_log2 * f32_from_bits((127 + row_exp[i]) << 23) for i in range(2)]
+        rQ = cute.make_rmem_tensor(Q_REGS, Int32)
+        self._load_q_unit(sQ, rQ, 0, wq * UNIT, rows, inv_sq, qd)
+        self._load_q_unit(sQ, rQ, 1, tile1 * UNIT, rows, [inv_sq[0] * keep1, inv_sq[1] * keep1], qd)
+        self._load_q_rope(sQ, rQ, D_NOPE + wq * 16, rows, inv_sq, qd)
+        # The operands go back to shared memory, over the bf16 Q, as 16-byte groups (group k
+        # of a thread at ((warp * 9 + k) * 32 + lane) * 16: conflict-free): held in registers
+        # across the loop they pushed the kernel past 255 registers into spills.
+        q_frag = q_base + warp_id * (Q_REGS // 4 * 32 * 16) + lane * 16
+        cute.arch.sync_threads()  # every thread has read the bf16 Q
+        for k in cutlass.range_constexpr(Q_REGS // 4):
+            dst = _smem_vec(Int32, q_frag + k * 32 * 16, 4)
+            for i in cutlass.range_constexpr(4):
+                dst[i] = rQ[4 * k + i]
+
+        # ---- per-thread state
+        acc_O = cute.make_rmem_tensor(72, Float32)  # nope unit u: [32 u, 32 u + 32); rope: [64, 72)
+        acc_O.fill(0.0)
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        r_byte = cute.make_rmem_tensor(2, Int32)  # R per unit (running max scale byte)
+        r_byte.fill(0)
+        # the scale bytes of this thread's entries (n tile j, column i at 2 j + i): unit 0's
+        # in bits 0-7, unit 1's in bits 8-15
+        sbytes = cute.make_rmem_tensor(8, Int32)
+        pick = wq | (tile1 << 4)  # byte_perm selector: the scale bytes of tiles wq and tile1 of a record
+        thr_mma = tiled_mma.get_slice(lane)
+        # S [16, 32] in m16n8 C order ((2, 2), 1, 4): flat index 4 j + c for n tile j, element c
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, bn)), Float32)
+        tSsS = [thr_mma.partition_C(sS[None, None, w, group]) for w in range(self.wpg)]
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((hg, bn)))
+
+        for c in cutlass.range(c_begin, c_end, 1, unroll=1):
+            step = c - c_begin
+            stage = step % 2
+            buf = step % SLOT_BUFFERS
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            if c + 1 < c_end:
+                self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
+            if c + 2 < c_end:
+                self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
+            cute.arch.cp_async_commit_group()
+            valid_rows = sMask[buf]
+            stage_base = raw_base + stage * self.stage_bytes
+            scale_base = stage_base + self.scale_off
+
+            # the scale bytes of this warp's two tiles: per thread for its 8 entries; per lane
+            # for entry `lane`, masked by validity, for the running maximum R of each tile
+            for j in cutlass.range_constexpr(4):
+                for i in cutlass.range_constexpr(2):
+                    sbytes[2 * j + i] = self._scale_pair(scale_base + (8 * j + 2 * qd + i) * SCALE_BYTES, pick)
+            mine = self._scale_pair(scale_base + lane * SCALE_BYTES, pick)
+            bscale = [Int32(0)] * 4
+            if const_expr(self.cfg.precision == "mxf8"):  # B scale factors: entry 8 j + g's bytes
+                bscale = [self._scale_pair(scale_base + (8 * j + g) * SCALE_BYTES, pick) for j in range(4)]
+            if (valid_rows >> lane) & 1 == 0:
+                mine = Int32(0)
+            ratio = [Float32(1.0), Float32(1.0)]
+            for u in cutlass.range_constexpr(2):
+                r_new = cutlass.max(r_byte[u], warp_max_u32((mine >> (8 * u)) & 0xFF))
+                ratio[u] = f32_from_bits(cutlass.max(r_byte[u] - r_new + 127, 0) << 23)
+                r_byte[u] = r_new
+
+            # S_w = Q_w K_w^T over this warp's columns (two nope tiles, 16 rope dims)
+            acc_S.fill(0.0)
+            for u in cutlass.range_constexpr(2):
+                self._qk_nope(acc_S, q_frag, sbytes, bscale, u, stage_base + (wq if u == 0 else tile1) * UNIT, lane)
+            self._qk_rope(acc_S, q_frag, stage_base + D_NOPE + wq * 32, lane)
+
+            # S exchange between the group's warps, then the full S in every warp
+            for w in cutlass.range_constexpr(self.wpg):
+                if wq == w:
+                    cute.autovec_copy(acc_S, tSsS[w])
+            if const_expr(self.groups > 1):
+                cute.arch.barrier(barrier_id=1 + group, number_of_threads=32 * self.wpg)
+            else:
+                cute.arch.sync_threads()
+            acc_S.store(tSsS[0].load())
+            for w in cutlass.range_constexpr(1, self.wpg):
+                acc_S.store(acc_S.load() + tSsS[w].load())
+
+            # online softmax (log2 units; row r's scores times sm_scale * log2(e) * sq)
+            correction = [Float32(1.0), Float32(1.0)]
+            for r in cutlass.range_constexpr(2):
+                m_chunk = -Float32.inf
+                for j in cutlass.range_constexpr(4):
+                    for i in cutlass.range_constexpr(2):
+                        col = tScS[2 * r + i, 0, j][1]
+                        s = acc_S[4 * j + 2 * r + i] * row_scale[r]
+                        if (valid_rows >> col) & 1 == 0:
+                            s = -Float32.inf
+                        acc_S[4 * j + 2 * r + i] = s
+                        m_chunk = cute.arch.fmax(m_chunk, s)
+                m_chunk = self._quad_allreduce(m_chunk, cute.arch.fmax)
+                m_new = cute.arch.fmax(row_max[r], m_chunk)
+                m_base = m_new
+                if m_new == -Float32.inf:
+                    m_base = Float32(0.0)
+                correction[r] = cute.math.exp2(row_max[r] - m_base, fastmath=True)
+                psum = Float32(0.0)
+                for j in cutlass.range_constexpr(4):
+                    for i in cutlass.range_constexpr(2):
+                        p = cute.math.exp2(acc_S[4 * j + 2 * r + i] - m_base, fastmath=True)
+                        acc_S[4 * j + 2 * r + i] = p
+                        psum = psum + p
+                row_sum[r] = row_sum[r] * correction[r] + psum
+                row_max[r] = m_new
+            for u in cutlass.range_constexpr(3):  # nope units 0, 1, then the rope columns
+                for r in cutlass.range_constexpr(2):
+                    f = correction[r]
+                    if const_expr(u < 2):
+                        f = f * ratio[u]
+                    for k in cutlass.range_constexpr(16 if u < 2 else 4):
+                        idx = 32 * u + 4 * (k // 2) + 2 * r + k % 2
+                        acc_O[idx] = acc_O[idx] * f
+
+            # O_w += P V_w
+            for u in cutlass.range_constexpr(2):
+                self._pv_nope(acc_O, acc_S, sbytes, r_byte, u, stage_base + (wq if u == 0 else tile1) * UNIT, lane)
+            self._pv_rope(acc_O, acc_S, stage_base + D_NOPE + wq * 32, lane)
+
+        # ---- epilogue: nope units times 2**(R - 135) (the value scales were folded into P
+        # relative to R, with 8 binades of headroom); the rope columns as accumulated
+        scale = [f32_from_bits(r_byte[u] << 23) * (1.0 / (1 << P_HEADROOM_LOG2)) for u in range(2)]
+        for r in cutlass.range_constexpr(2):
+            total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
+            head = ghead0 + g + 8 * r
+            if head < num_heads:
+                gate, lse2 = self._gate_and_lse2(total, row_max[r], attn_sink, head)
+                out_ctx = (token, split, num_splits, num_heads, head, o_part, out, out_stride_t, out_stride_h)
+                self._store_nope_unit(acc_O, 0, r, gate * scale[0], wq * UNIT, qd, out_ctx)
+                if has_unit1:
+                    self._store_nope_unit(acc_O, 1, r, gate * scale[1], (wq + self.wpg) * UNIT, qd, out_ctx)
+                self._store_rope(acc_O, r, gate, D_NOPE + wq * 16, qd, out_ctx)
+                if wq == 0:
+                    if qd == 0:
+                        self._store_lse(total, lse2, token, split, num_splits, num_heads, head,
+                                        lse_part, lse, lse_stride_t, lse_stride_h)
+
+    # ------------------------------------------------------------------ setup pieces
+    @cute.jit
+    def _load_q_unit(self, sQ, rQ, u: int, col0, rows, inv_sq, qd):
+        """Q operands of nope unit u (columns col0..col0+63): the A fragment (a0..a3) of k32
+        step s at 16 u + 4 s (hi term) and 16 u + 8 + 4 s (lo term)."""
+        for s in cutlass.range_constexpr(2):
+            for a in cutlass.range_constexpr(4):
+                r = a % 2
+                c = col0 + 32 * s + 16 * (a // 2) + 4 * qd
+                x = [sQ[rows[r], c + k].to(Float32) * inv_sq[r] for k in range(4)]
+                hi, lo = quantize_two_terms(x[0], x[1], x[2], x[3])
+                rQ[16 * u + 4 * s + a] = hi
+                rQ[16 * u + 8 + 4 * s + a] = lo
+
+    @cute.jit
+    def _load_q_rope(self, sQ, rQ, col0, rows, inv_sq, qd):
+        """Q operands of the warp's 16 rope dims (bf16, divided by sq: exact) at 32..35."""
+        for a in cutlass.range_constexpr(4):
+            r = a % 2
+            c = col0 + 8 * (a // 2) + 2 * qd
+            rQ[32 + a] = pack_bf16x2(sQ[rows[r], c].to(Float32) * inv_sq[r], sQ[rows[r], c + 1].to(Float32) * inv_sq[r])
+
+    @cute.jit
+    def _scale_pair(self, record_addr, pick) -> Int32:
+        """Bytes wq and wq + 4 of an entry's 8-byte scale record (its two tiles of this warp)."""
+        rec = cute.make_rmem_tensor(2, Int32)
+        cute.autovec_copy(_smem_vec(Int32, record_addr, 2), rec)
+        return byte_perm(rec[0], rec[1], pick)
+
+    # ------------------------------------------------------------------ per-chunk MMA steps
+    @cute.jit
+    def _qk_nope(self, acc_S, q_frag, sbytes, bscale, u: int, unit_base, lane):
+        """acc_S += (Q_u K_u^T) per entry times its K scale, for a nope unit at ``unit_base``
+        (its first column in the stage); the Q operands of unit u are groups 4 u.. at ``q_frag``.
+
+        "fp8": the scales in registers (the lo terms' 1/16, then the entry's 2**(b - 127)).
+        "mxf8": the block-scaled MMA applies them: A scale 2**0 (hi) or 2**-4 (lo) for every
+        row, B scale byte b of column (entry) g from ``bscale[j]`` (byte 8 u of the lanes of
+        quad column 0), accumulating straight into S."""
+        qr = _load_regs(q_frag + 4 * u * 32 * 16, 16)  # hi: qr[0:8], lo: qr[8:16]
+        row_addr = unit_base + (lane % 8) * RAW_ROW_STRIDE + (lane // 8) * 16
+        for j in cutlass.range_constexpr(4):
+            kb = ldsm_x4(row_addr + 8 * j * RAW_ROW_STRIDE, trans=False)  # k32 step 0: kb[0:2], step 1: kb[2:4]
+            if const_expr(self.cfg.precision == "mxf8"):
+                d = [acc_S[4 * j + k] for k in range(4)]
+                sfb = bscale[j] >> (8 * u)
+                for s in cutlass.range_constexpr(2):
+                    d = mma_mxf8(d, qr[8 + 4 * s:12 + 4 * s], kb[2 * s:2 * s + 2], Int32(UE8M0_BIAS - 4), sfb)
+                for s in cutlass.range_constexpr(2):
+                    d = mma_mxf8(d, qr[4 * s:4 * s + 4], kb[2 * s:2 * s + 2], Int32(UE8M0_BIAS), sfb)
+                for k in cutlass.range_constexpr(4):
+                    acc_S[4 * j + k] = d[k]
+            else:
+                t = [Float32(0.0)] * 4
+                for s in cutlass.range_constexpr(2):
+                    t = mma_e4m3(t, qr[8 + 4 * s:12 + 4 * s], kb[2 * s:2 * s + 2])
+                t = [x * (1.0 / 16.0) for x in t]
+                for s in cutlass.range_constexpr(2):
+                    t = mma_e4m3(t, qr[4 * s:4 * s + 4], kb[2 * s:2 * s + 2])
+                kfac = [f32_from_bits(((sbytes[2 * j + i] >> (8 * u)) & 0xFF) << 23) for i in range(2)]
+                for k in cutlass.range_constexpr(4):
+                    acc_S[4 * j + k] = acc_S[4 * j + k] + t[k] * kfac[k % 2]
+
+    @cute.jit
+    def _qk_rope(self, acc_S, q_frag, rope_base, lane):
+        """acc_S += Q K^T over this warp's 16 rope dims (bf16) at ``rope_base`` in the stage."""
+        qr = _load_regs(q_frag + 8 * 32 * 16, 4)
+        row_addr = rope_base + ((lane // 16) * 8 + lane % 8) * RAW_ROW_STRIDE + ((lane // 8) % 2) * 16
+        for jj in cutlass.range_constexpr(2):  # n tiles 2 jj, 2 jj + 1
+            kb = ldsm_x4(row_addr + 16 * jj * RAW_ROW_STRIDE, trans=False)
+            for h in cutlass.range_constexpr(2):
+                j = 2 * jj + h
+                d = mma_bf16([acc_S[4 * j + k] for k in range(4)], qr, kb[2 * h:2 * h + 2])
+                for k in cutlass.range_constexpr(4):
+                    acc_S[4 * j + k] = d[k]
+
+    @cute.jit
+    def _pv_nope(self, acc_O, acc_S, sbytes, r_byte, u: int, unit_base, lane):
+        """acc_O[unit u] += P' V8 for a nope unit: P' = P * 2**(b - R + 8) in e4m3.
+        Accumulator index 32 u + 8 blk + 4 parity + c: 16-column block blk, even/odd columns."""
+        fac = [f32_from_bits(cutlass.max(((sbytes[k] >> (8 * u)) & 0xFF) - r_byte[u] + 127 + P_HEADROOM_LOG2, 0) << 23)
+               for k in range(8)]
+        pq = [acc_S[4 * j + c] * fac[2 * j + c % 2] for j in range(4) for c in range(4)]
+        a = [
+            pack_e4m3x4(pq[0], pq[1], pq[4], pq[5]),  # row g: entries 2q, 2q+1, 8+2q, 9+2q
+            pack_e4m3x4(pq[2], pq[3], pq[6], pq[7]),  # row g+8
+            pack_e4m3x4(pq[8], pq[9], pq[12], pq[13]),  # row g: the same + 16
+            pack_e4m3x4(pq[10], pq[11], pq[14], pq[15]),  # row g+8
+        ]
+        row_addr = unit_base + lane * RAW_ROW_STRIDE
+        for blk in cutlass.range_constexpr(4):
+            v = ldsm_x4(row_addr + 16 * blk, trans=True)  # entries 0-7, 8-15, 16-23, 24-31
+            for parity in cutlass.range_constexpr(2):
+                sel = 0x7531 if parity else 0x6420
+                b = [byte_perm(v[0], v[1], sel), byte_perm(v[2], v[3], sel)]
+                base = 32 * u + 8 * blk + 4 * parity
+                d = mma_e4m3([acc_O[base + k] for k in range(4)], a, b)
+                for k in cutlass.range_constexpr(4):
+                    acc_O[base + k] = d[k]
+
+    @cute.jit
+    def _pv_rope(self, acc_O, acc_S, rope_base, lane):
+        """acc_O[64:72] += P V over this warp's 16 rope columns (bf16): n tile n at 64 + 4 n."""
+        a = []
+        for s in cutlass.range_constexpr(2):  # k16 step: entries 16 s .. 16 s + 15 = n tiles 2 s, 2 s + 1
+            a.append([
+                pack_bf16x2(acc_S[8 * s + 0], acc_S[8 * s + 1]),
+                pack_bf16x2(acc_S[8 * s + 2], acc_S[8 * s + 3]),
+                pack_bf16x2(acc_S[8 * s + 4], acc_S[8 * s + 5]),
+                pack_bf16x2(acc_S[8 * s + 6], acc_S[8 * s + 7]),
+            ])
+        row_addr = rope_base + lane * RAW_ROW_STRIDE
+        for n in cutlass.range_constexpr(2):
+            v = ldsm_x4(row_addr + 16 * n, trans=True)  # entries 0-7, 8-15 (step 0), 16-23, 24-31 (step 1)
+            d = [acc_O[64 + 4 * n + k] for k in range(4)]
+            for s in cutlass.range_constexpr(2):
+                d = mma_bf16(d, a[s], v[2 * s:2 * s + 2])
+            for k in cutlass.range_constexpr(4):
+                acc_O[64 + 4 * n + k] = d[k]
+
+    @cute.jit
+    def _store_nope_unit(self, acc_O, u: int, r: int, factor: Float32, col0, qd, out_ctx):
+        """Row r of a nope unit: column 16 blk + 4 qd + k is accumulator 32 u + 8 blk +
+        4 (k % 2) + 2 r + k // 2 (even/odd column MMAs, c0/c1 two columns apart)."""
+        for blk in cutlass.range_constexpr(4):
+            for k in cutlass.range_constexpr(4):
+                self._store_out(acc_O[32 * u + 8 * blk + 4 * (k % 2) + 2 * r + k // 2] * factor,
+                                col0 + 16 * blk + 4 * qd + k, *out_ctx)
+
+    @cute.jit
+    def _store_rope(self, acc_O, r: int, factor: Float32, col0, qd, out_ctx):
+        """Row r of the warp's 16 rope columns: column 8 n + 2 qd + i is 64 + 4 n + 2 r + i."""
+        for n in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(2):
+                self._store_out(acc_O[64 + 4 * n + 2 * r + i] * factor, col0 + 8 * n + 2 * qd + i, *out_ctx)
+
+    @cute.jit
+    def _store_out(self, value: Float32, col, token, split, num_splits, num_heads, head, o_part, out,
+                   out_stride_t, out_stride_h):
+        """One output value: bf16 out (final mode) or the f32 split partial."""
+        if const_expr(self.cfg.final_output):
+            addr = out.toint() + (Int64(token) * out_stride_t + Int64(head) * out_stride_h + Int64(col)) * 2
+            cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=2),
+                             cute.make_layout(1))[0] = BFloat16(value)
+        else:
+            store_f32(o_part.toint() + (((Int64(token) * num_splits + split) * num_heads + head) * D_QK + col) * 4,
+                      value)

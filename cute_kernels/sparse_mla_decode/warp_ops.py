@@ -1,0 +1,150 @@
+"""Register-level PTX the FP8 partial kernel issues by hand (CuTe DSL, inline asm).
+
+The FP8 path feeds the tensor cores straight from the gathered cache rows and from
+registers built in the kernel (quantized Q, requantized probabilities), in fragment orders
+the kernel chooses (see ``partial_fp8.py``), so it works on 32-bit fragment registers
+rather than on CuTe fragments. Everything here is one PTX instruction or a short fixed
+sequence; the target needs sm_89+ (e4m3 MMA and conversions), ``mma_mxf8`` sm_120a/sm_121a.
+
+Fragment conventions (PTX ISA, ``mma.m16n8k32`` with .e4m3, ``mma.m16n8k16`` with .bf16;
+g = lane / 4, q = lane % 4):
+- A e4m3: a0 = A[g][4q..4q+3], a1 = A[g+8][4q..4q+3], a2 = A[g][16+4q..], a3 = A[g+8][16+4q..]
+- B e4m3: b0 = B[4q..4q+3][g], b1 = B[16+4q..16+4q+3][g]
+- A bf16: a0 = A[g][2q, 2q+1], a1 = A[g+8][2q, 2q+1], a2 = A[g][8+2q, ..], a3 = A[g+8][8+2q, ..]
+- B bf16: b0 = B[2q, 2q+1][g], b1 = B[8+2q, 8+2q+1][g]
+- C f32 (both): c0, c1 = C[g][2q, 2q+1], c2, c3 = C[g+8][2q, 2q+1]
+The lowest byte (half) of a register is the lowest index.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+
+
+def _asm(results: list, operands: list, text: str, constraints: str, side_effects: bool = False):
+    """One inline-asm op; returns the result values (a list when there are several)."""
+    ty = results[0] if len(results) == 1 else llvm.StructType.get_literal(results)
+    out = llvm.inline_asm(
+        ty, [x.ir_value() for x in operands], text, constraints,
+        has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    if len(results) == 1:
+        return out
+    return [llvm.extractvalue(t, out, [i]) for i, t in enumerate(results)]
+
+
+def ldsm_x4(smem_addr: Int32, trans: bool) -> list:
+    """``ldmatrix.x4`` (b16): four 8x8 matrices, lanes 8i..8i+7 give the row addresses of
+    matrix i. Without ``trans`` lane t gets row t/4, 16-bit columns 2(t%4), 2(t%4)+1 of each
+    matrix; with ``trans`` it gets rows 2(t%4), 2(t%4)+1 of 16-bit column t/4 (low half the
+    lower row). Ordered with the barriers around it (side effects): it reads shared memory."""
+    i32 = Int32.mlir_type
+    op = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" if trans else "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+    regs = _asm([i32] * 4, [Int32(smem_addr)], op + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                side_effects=True)
+    return [Int32(r) for r in regs]
+
+
+def mma_e4m3(c: list, a: list, b: list) -> list:
+    """d = a * b + c, ``mma.sync.m16n8k32`` e4m3 x e4m3 -> f32 (sm_89+)."""
+    f32 = Float32.mlir_type
+    d = _asm(
+        [f32] * 4, [Float32(x) for x in c] + [Int32(x) for x in a] + [Int32(x) for x in b],
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
+        "{$12, $13}, {$4, $5, $6, $7};",
+        "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r",
+    )
+    return [Float32(x) for x in d]
+
+
+def mma_mxf8(c: list, a: list, b: list, sfa: Int32, sfb: Int32) -> list:
+    """d = (a * 2**(sfa - 127)) * (b * 2**(sfb - 127)) + c per row of A / column of B: the
+    SM120 block-scaled ``mma.sync.m16n8k32`` (kind::mxf8f6f4, e4m3 x e4m3 -> f32, one UE8M0
+    scale per row of A / column of B and 32 k values: scale_vec::1X), byte and thread
+    selectors 0. Scale map with selectors 0, as probed on sm_121a by a public project (the
+    PTX ISA's table reads differently; this project cannot run it): byte 0 of ``sfa`` in
+    quad column 0 scales row g, in quad column 1 row g + 8; byte 0 of ``sfb`` in quad
+    column 0 scales column g. sm_120a/sm_121a only: compiled and SASS-checked here, never
+    executed by this project's tests (the test GPU is an sm_90 H200)."""
+    f32 = Float32.mlir_type
+    d = _asm(
+        [f32] * 4, [Float32(x) for x in c] + [Int32(x) for x in a] + [Int32(x) for x in b] + [Int32(sfa), Int32(sfb)],
+        "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e4m3.e4m3.f32.ue8m0 "
+        "{$0, $1, $2, $3}, {$8, $9, $10, $11}, {$12, $13}, {$4, $5, $6, $7}, {$14}, {0, 0}, {$15}, {0, 0};",
+        "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r,r,r",
+    )
+    return [Float32(x) for x in d]
+
+
+def mma_bf16(c: list, a: list, b: list) -> list:
+    """d = a * b + c, ``mma.sync.m16n8k16`` bf16 x bf16 -> f32."""
+    f32 = Float32.mlir_type
+    d = _asm(
+        [f32] * 4, [Float32(x) for x in c] + [Int32(x) for x in a] + [Int32(x) for x in b],
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
+        "{$12, $13}, {$4, $5, $6, $7};",
+        "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r",
+    )
+    return [Float32(x) for x in d]
+
+
+def pack_e4m3x4(x0: Float32, x1: Float32, x2: Float32, x3: Float32) -> Int32:
+    """Four floats rounded to e4m3 (nearest even, saturating to +-448), x0 in the low byte."""
+    return Int32(_asm(
+        [Int32.mlir_type], [Float32(x0), Float32(x1), Float32(x2), Float32(x3)],
+        "{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 $0, {lo, hi};\n}",
+        "=r,f,f,f,f",
+    ))
+
+
+def quantize_two_terms(x0: Float32, x1: Float32, x2: Float32, x3: Float32) -> list:
+    """Four floats as two e4m3 terms (packed like ``pack_e4m3x4``): hi = e4m3(x) and
+    lo = e4m3(16 * (x - hi)), so x ~= hi + lo / 16 to about 8 significant bits (|x| <= 448:
+    the residual is at most half an e4m3 step, 16, so 16 * residual stays in range)."""
+    i32 = Int32.mlir_type
+    hi, lo = _asm(
+        [i32, i32], [Float32(x0), Float32(x1), Float32(x2), Float32(x3)],
+        "{\n.reg .b16 h01, h23, l01, l23;\n.reg .b32 p01, p23;\n.reg .f16 e0, e1, e2, e3;\n"
+        ".reg .f32 r0, r1, r2, r3;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h01, $3, $2;\ncvt.rn.satfinite.e4m3x2.f32 h23, $5, $4;\n"
+        "mov.b32 $0, {h01, h23};\n"
+        "cvt.rn.f16x2.e4m3x2 p01, h01;\ncvt.rn.f16x2.e4m3x2 p23, h23;\n"
+        "mov.b32 {e0, e1}, p01;\nmov.b32 {e2, e3}, p23;\n"
+        "cvt.f32.f16 r0, e0;\ncvt.f32.f16 r1, e1;\ncvt.f32.f16 r2, e2;\ncvt.f32.f16 r3, e3;\n"
+        "sub.rn.f32 r0, $2, r0;\nsub.rn.f32 r1, $3, r1;\nsub.rn.f32 r2, $4, r2;\nsub.rn.f32 r3, $5, r3;\n"
+        "mul.rn.f32 r0, r0, 0f41800000;\nmul.rn.f32 r1, r1, 0f41800000;\n"
+        "mul.rn.f32 r2, r2, 0f41800000;\nmul.rn.f32 r3, r3, 0f41800000;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 l01, r1, r0;\ncvt.rn.satfinite.e4m3x2.f32 l23, r3, r2;\n"
+        "mov.b32 $1, {l01, l23};\n}",
+        "=r,=r,f,f,f,f",
+    )
+    return [Int32(hi), Int32(lo)]
+
+
+def pack_bf16x2(x0: Float32, x1: Float32) -> Int32:
+    """Two floats rounded to bf16 (nearest even), x0 in the low half."""
+    return Int32(_asm([Int32.mlir_type], [Float32(x1), Float32(x0)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+def byte_perm(a: Int32, b: Int32, selector: int) -> Int32:
+    """``prmt.b32``: byte i of the result is byte ``(selector >> 4i) & 7`` of {b, a} (a = 0..3)."""
+    return Int32(_asm([Int32.mlir_type], [Int32(a), Int32(b), Int32(selector)], "prmt.b32 $0, $1, $2, $3;",
+                      "=r,r,r,r"))
+
+
+def warp_max_u32(x: Int32) -> Int32:
+    """The maximum of ``x`` (unsigned) over the 32 lanes of the warp (``redux.sync``)."""
+    return Int32(_asm([Int32.mlir_type], [Int32(x)], "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r",
+                      side_effects=True))
+
+
+def f32_from_bits(bits: Int32) -> Float32:
+    """Reinterpret the bits of an Int32 as a Float32."""
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32(bits).ir_value()))
+
+
+def f32_bits(x: Float32) -> Int32:
+    """The bits of a Float32 as an Int32."""
+    return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value()))
