@@ -42,11 +42,22 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     the SMs hold at once (``resident_ctas_per_sm``), and no more than ``MAX_SPLITS`` splits.
 
     One wave rather than several: a CTA with more chunks overlaps the gather of each chunk
-    with the work on the previous one, and the merge has fewer splits to combine."""
+    with the work on the previous one, and the merge has fewer splits to combine.
+
+    Where that would put two single-chunk CTAs on an SM, one CTA per SM with two chunks
+    instead: measured on the H200 (``scripts/split_sweep.py``, BENCHMARKS.md) 1 x 128 x 1024
+    went from 18.3 to 16.0 us and 8 x 16 x 1024 from 19.3 to 16.4 us; a single-chunk CTA has
+    nothing to overlap its gather with. (On sm_120 an SM holds one CTA anyway.)"""
     block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
     base_ctas = num_tokens * -(-num_heads // cfg.heads_per_cta)
-    slots = resident_ctas_per_sm(cfg, smem_per_sm) * num_sms
-    wanted = min(max(1, slots // base_ctas), MAX_SPLITS)  # rounded down: never a second wave
-    per_split = max(-(-num_chunks // wanted), min(MIN_CHUNKS_PER_SPLIT, num_chunks))
-    return SplitPlan(num_chunks, per_split, -(-num_chunks // per_split))
+
+    def split_for(slots: int) -> SplitPlan:
+        wanted = min(max(1, slots // base_ctas), MAX_SPLITS)  # rounded down: never a second wave
+        per_split = max(-(-num_chunks // wanted), min(MIN_CHUNKS_PER_SPLIT, num_chunks))
+        return SplitPlan(num_chunks, per_split, -(-num_chunks // per_split))
+
+    plan = split_for(resident_ctas_per_sm(cfg, smem_per_sm) * num_sms)
+    if plan.chunks_per_split == 1 and base_ctas * plan.num_splits > num_sms:
+        plan = split_for(num_sms)
+    return plan
