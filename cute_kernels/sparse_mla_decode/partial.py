@@ -253,49 +253,18 @@ class SparseMlaPartialKernel:
         head0 = head_block * hb
         ghead0 = head0 + group * hg  # first head of this warp's group
 
-        # ---- the chunks of this split, and where each source's lists live
-        n_main_chunks = (main_topk + bn - 1) // bn
-        n_chunks = n_main_chunks + (extra_topk + bn - 1) // bn
-        c_begin = split * chunks_per_split
-        c_end = cutlass.min(c_begin + chunks_per_split, n_chunks)
-
-        main_limit, extra_limit = self._length_limits(main_len, main_topk, extra_len, extra_topk, token)
-        main_idx_row = main_idx.toint() + Int64(token) * main_idx_stride * 4
-        extra_idx_row = extra_idx.toint() + Int64(token) * extra_idx_stride * 4
-
-        # ---- shared memory
+        # ---- shared memory: the bf16 KV tile (Q is staged in it first), then the gather's
         smem = SmemAllocator()
         sKV = smem.allocate_tensor(BFloat16, kv_layout, byte_alignment=1024)
-        sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
-        sS = smem.allocate_tensor(
-            Float32,
-            cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
-            byte_alignment=16,
+        sQ = cute.make_tensor(sKV.iterator, q_layout)
+        ctx = self._gather_context(
+            smem, tidx, token, split, chunks_per_split,
+            (main_cache, main_page, main_block_stride, main_num_slots, main_idx, main_idx_stride, main_topk, main_len),
+            (extra_cache, extra_page, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride, extra_topk,
+             extra_len),
         )
-        sMask = smem.allocate_tensor(Int32, cute.make_layout(SLOT_BUFFERS), byte_alignment=16)
-        sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
-        sQ = cute.make_tensor(sKV.iterator, q_layout)  # Q is staged in the KV tile first
-        raw_base = sRaw.iterator.toint()
-        # addresses taken here, at the top level: an iterator's toint() first evaluated inside
-        # a dynamic if is reused by later evaluations outside it (IR that does not verify)
-        sidx_base = sIdx.iterator.toint()
-
-        g2s_16 = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=128)
-        g2s_8 = cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64)
-        g2s_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
-
+        sMask, sS, c_begin, c_end = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end
         self._stage_q(q, q_stride_t, q_stride_h, num_heads, token, head0, sQ, tiled_store, tidx)
-
-        # ---- the first two chunks' indices (cp.async, in the same group as Q), then the
-        # first chunk's rows
-        ctx = SimpleNamespace(
-            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sMask=sMask, sIdx=sIdx, sidx_base=sidx_base,
-            main_idx_row=main_idx_row, main_topk=main_topk, main_limit=main_limit, main_num_slots=main_num_slots,
-            main_page=main_page, main_block_stride=main_block_stride, main_base=main_cache.toint(),
-            extra_idx_row=extra_idx_row, extra_topk=extra_topk, extra_limit=extra_limit,
-            extra_num_slots=extra_num_slots, extra_page=extra_page, extra_block_stride=extra_block_stride,
-            extra_base=extra_cache.toint(), g2s_16=g2s_16, g2s_8=g2s_8, g2s_4=g2s_4,
-        )
         self._start_pipeline(ctx, c_begin, c_end)
 
         # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
@@ -480,6 +449,41 @@ class SparseMlaPartialKernel:
             store_f32(lse_part.toint() + ((Int64(token) * num_splits + split) * num_heads + head) * 4, lse2)
 
     # ------------------------------------------------------------------ prologue pieces
+    def _gather_context(self, smem, tidx, token, split, chunks_per_split, main: tuple, extra: tuple):
+        """Allocate the gather's shared memory (raw stages, the S exchange, indices, validity
+        masks) and gather what ``_issue_indices`` / ``_issue_rows`` read about the two lists;
+        also this split's chunk range [c_begin, c_end). ``main`` / ``extra``: (cache, page,
+        block stride, num slots, indices, indices stride, topk, length pointer)."""
+        bn, hg = self.bn, self.hg
+        m_cache, m_page, m_stride, m_slots, m_idx, m_idx_stride, m_topk, m_len = main
+        e_cache, e_page, e_stride, e_slots, e_idx, e_idx_stride, e_topk, e_len = extra
+        n_main_chunks = (m_topk + bn - 1) // bn
+        n_chunks = n_main_chunks + (e_topk + bn - 1) // bn
+        c_begin = split * chunks_per_split
+        m_limit, e_limit = self._length_limits(m_len, m_topk, e_len, e_topk, token)
+        sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
+        sS = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
+            byte_alignment=16,
+        )
+        sMask = smem.allocate_tensor(Int32, cute.make_layout(SLOT_BUFFERS), byte_alignment=16)
+        sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
+        return SimpleNamespace(
+            c_begin=c_begin, c_end=cutlass.min(c_begin + chunks_per_split, n_chunks), sS=sS,
+            # addresses taken here, at the top level: an iterator's toint() first evaluated
+            # inside a dynamic if is reused by later evaluations outside it (IR that does not verify)
+            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=sRaw.iterator.toint(), sMask=sMask, sIdx=sIdx,
+            sidx_base=sIdx.iterator.toint(),
+            main_idx_row=m_idx.toint() + Int64(token) * m_idx_stride * 4, main_topk=m_topk, main_limit=m_limit,
+            main_num_slots=m_slots, main_page=m_page, main_block_stride=m_stride, main_base=m_cache.toint(),
+            extra_idx_row=e_idx.toint() + Int64(token) * e_idx_stride * 4, extra_topk=e_topk, extra_limit=e_limit,
+            extra_num_slots=e_slots, extra_page=e_page, extra_block_stride=e_stride, extra_base=e_cache.toint(),
+            g2s_16=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=128),
+            g2s_8=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64),
+            g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
+        )
+
     @cute.jit
     def _length_limits(self, main_len: cute.Pointer, main_topk: Int32, extra_len: cute.Pointer,
                        extra_topk: Int32, token: Int32):

@@ -52,12 +52,9 @@ Measured facts (BENCHMARKS.md has the runs):
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
-from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from .config import RAW_ROW_STRIDE, SLOT_BUFFERS
@@ -175,42 +172,20 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
             tile1 = Int32(0)
             keep1 = Float32(0.0)
 
-        n_main_chunks = (main_topk + bn - 1) // bn
-        n_chunks = n_main_chunks + (extra_topk + bn - 1) // bn
-        c_begin = split * chunks_per_split
-        c_end = cutlass.min(c_begin + chunks_per_split, n_chunks)
-        main_limit, extra_limit = self._length_limits(main_len, main_topk, extra_len, extra_topk, token)
-
-        # ---- shared memory
+        # ---- shared memory: Q (bf16, then, after a barrier, every thread's Q operands in the
+        # same bytes) and its per-head scales, then the gather's
         smem = SmemAllocator()
-        # bf16 Q first, then (same bytes, after a barrier) every thread's Q operands
         sQbuf = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.q_region_bytes), byte_alignment=1024)
         sQ = cute.make_tensor(cute.recast_ptr(sQbuf.iterator, dtype=BFloat16), q_layout)
-        sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
-        sS = smem.allocate_tensor(
-            Float32,
-            cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
-            byte_alignment=16,
-        )
-        sMask = smem.allocate_tensor(Int32, cute.make_layout(SLOT_BUFFERS), byte_alignment=16)
-        sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
         sQexp = smem.allocate_tensor(Int32, cute.make_layout(hb), byte_alignment=16)  # per-head log2(sq)
-        raw_base = sRaw.iterator.toint()
-        sidx_base = sIdx.iterator.toint()
         q_base = sQbuf.iterator.toint()
-
-        ctx = SimpleNamespace(
-            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=raw_base, sMask=sMask, sIdx=sIdx, sidx_base=sidx_base,
-            main_idx_row=main_idx.toint() + Int64(token) * main_idx_stride * 4, main_topk=main_topk,
-            main_limit=main_limit, main_num_slots=main_num_slots, main_page=main_page,
-            main_block_stride=main_block_stride, main_base=main_cache.toint(),
-            extra_idx_row=extra_idx.toint() + Int64(token) * extra_idx_stride * 4, extra_topk=extra_topk,
-            extra_limit=extra_limit, extra_num_slots=extra_num_slots, extra_page=extra_page,
-            extra_block_stride=extra_block_stride, extra_base=extra_cache.toint(),
-            g2s_16=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=128),
-            g2s_8=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64),
-            g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
+        ctx = self._gather_context(
+            smem, tidx, token, split, chunks_per_split,
+            (main_cache, main_page, main_block_stride, main_num_slots, main_idx, main_idx_stride, main_topk, main_len),
+            (extra_cache, extra_page, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride, extra_topk,
+             extra_len),
         )
+        sMask, sS, c_begin, c_end, raw_base = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end, ctx.raw_base
         self._stage_q(q, q_stride_t, q_stride_h, num_heads, token, head0, sQ, tiled_store, tidx)
         self._start_pipeline(ctx, c_begin, c_end)  # waits for Q and the first indices
 

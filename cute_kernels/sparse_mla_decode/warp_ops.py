@@ -46,16 +46,20 @@ def ldsm_x4(smem_addr: Int32, trans: bool) -> list:
     return [Int32(r) for r in regs]
 
 
-def mma_e4m3(c: list, a: list, b: list) -> list:
-    """d = a * b + c, ``mma.sync.m16n8k32`` e4m3 x e4m3 -> f32 (sm_89+)."""
+def _mma_m16n8(shape_types: str, c: list, a: list, b: list) -> list:
+    """d = a * b + c, ``mma.sync.aligned.<shape_types>`` with 4 A, 2 B and 4 f32 C/D registers."""
     f32 = Float32.mlir_type
     d = _asm(
         [f32] * 4, [Float32(x) for x in c] + [Int32(x) for x in a] + [Int32(x) for x in b],
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
-        "{$12, $13}, {$4, $5, $6, $7};",
+        f"mma.sync.aligned.{shape_types} {{$0, $1, $2, $3}}, {{$8, $9, $10, $11}}, {{$12, $13}}, {{$4, $5, $6, $7}};",
         "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r",
     )
     return [Float32(x) for x in d]
+
+
+def mma_e4m3(c: list, a: list, b: list) -> list:
+    """d = a * b + c, ``mma.sync.m16n8k32`` e4m3 x e4m3 -> f32 (sm_89+)."""
+    return _mma_m16n8("m16n8k32.row.col.f32.e4m3.e4m3.f32", c, a, b)
 
 
 def mma_mxf8(c: list, a: list, b: list, sfa: Int32, sfb: Int32) -> list:
@@ -79,14 +83,7 @@ def mma_mxf8(c: list, a: list, b: list, sfa: Int32, sfb: Int32) -> list:
 
 def mma_bf16(c: list, a: list, b: list) -> list:
     """d = a * b + c, ``mma.sync.m16n8k16`` bf16 x bf16 -> f32."""
-    f32 = Float32.mlir_type
-    d = _asm(
-        [f32] * 4, [Float32(x) for x in c] + [Int32(x) for x in a] + [Int32(x) for x in b],
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$8, $9, $10, $11}, "
-        "{$12, $13}, {$4, $5, $6, $7};",
-        "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r",
-    )
-    return [Float32(x) for x in d]
+    return _mma_m16n8("m16n8k16.row.col.f32.bf16.bf16.f32", c, a, b)
 
 
 def pack_e4m3x4(x0: Float32, x1: Float32, x2: Float32, x3: Float32) -> Int32:
