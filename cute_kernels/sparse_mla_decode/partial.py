@@ -47,7 +47,8 @@ Measured facts (H200, sm_90a build of this source; BENCHMARKS.md has the runs):
 - Dequantizing 16 columns per thread piece (one 16-byte FP8 load and one scale per 16
   values) and a named barrier per head group for the S exchange: 965 -> 921 loop
   instructions, every bench shape 1-6% faster.
-- Remaining per chunk and thread (sm_120a, two head groups): 921 instructions, of them 64
+- Remaining per chunk and thread (sm_120a, two head groups): 921 instructions (918 since
+  the launch carries .minnctapersm 1), of them 64
   HMMA, ~154 shared-memory instructions (dequantization loads and stores, the S exchange
   between the four warps of a group, ldmatrix) and ~50 per 16 values for FP8 -> bf16 (8
   unpacks to f16x2, 16 widenings to f32, 16 scale multiplies, 8 packs, loads, the scale).
