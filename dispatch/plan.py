@@ -16,6 +16,8 @@ overhead in README "In a serving engine").
 
 from __future__ import annotations
 
+import functools
+
 import math
 import threading
 
@@ -26,7 +28,7 @@ from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 from . import loader
 from .launcher import BoundKernel, argument_kinds
 from .splits import plan_splits
-from .variants import partial_shape_config, variants_for
+from .variants import partial_shape_config, variant_space, variants_for
 
 _LOG2_E = math.log2(math.e)
 _DEFAULT_SM_SCALE = 1.0 / math.sqrt(D_QK)
@@ -59,6 +61,19 @@ _VALUE_KEYS = tuple(key for _, key in _RUN_TENSORS) + ("sm_scale_log2", "scratch
 _POSITION = {key: i for i, key in enumerate(_VALUE_KEYS)}
 
 
+@functools.lru_cache(maxsize=None)
+def _variant_space_set(arch: str) -> frozenset:
+    return frozenset(variant_space(arch))
+
+
+def check_in_variant_space(variants, arch: str, what: str) -> None:
+    """Every variant a plan launches is one the variant space (and so the AOT build) has:
+    the dispatch's policies (head groups, splits) must never select another."""
+    missing = [v.name for v in variants if v not in _variant_space_set(arch)]
+    if missing:
+        raise RuntimeError(f"internal error: {what} selected {missing}, outside the variant space; please report it")
+
+
 class DecodePlan:
     """A launch plan for one layout of a ``sparse_mla_decode`` call (see the module doc)."""
 
@@ -71,11 +86,9 @@ class DecodePlan:
         shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
                                  num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
-        if shape.head_groups > 1 and self.split.num_splits > 1:  # excluded by head_groups_for + plan_splits
-            raise RuntimeError(f"internal error: {self.split} with {shape.head_groups} head groups for "
-                               f"{call.launch_metadata}; please report it")
         self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups,
                                      precision=call.precision)
+        check_in_variant_space(self.variants, call.arch, f"{self.split} for {call.launch_metadata}")
         self.final = len(self.variants) == 1
         T, S, H = call.num_tokens, self.split.num_splits, call.num_heads
         self._o_part_bytes = 0 if self.final else T * S * H * D_V * 4

@@ -42,12 +42,20 @@ class KernelVariant:
         return f"{self.config.name}_{self.arch}"
 
 
+# Two head groups from this many 16-head blocks per call (tokens x ceil(heads / 16)) up.
+TWO_GROUPS_MIN_BLOCKS = 32
+
+
 def head_groups_for(num_heads: int, num_tokens: int, num_sms: int) -> int:
-    """16-head groups per CTA. Two when there are more than 16 heads and the call has work
-    for more than one CTA per SM at 16 heads per CTA: each gathered and dequantized row then
-    serves 32 heads (measured: see BENCHMARKS.md). One otherwise: 16 or fewer heads do not
-    pay for 32, and a small call (latency-bound) gets more, lighter CTAs."""
-    if num_heads <= 16 or num_tokens * -(-num_heads // 16) <= num_sms:
+    """16-head groups per CTA. Two when there are more than 16 heads and the call has at
+    least ``TWO_GROUPS_MIN_BLOCKS`` 16-head blocks: each gathered and dequantized row then
+    serves 32 heads. One otherwise: 16 or fewer heads do not pay for 32, and a small call
+    (latency-bound) gets more, lighter CTAs. Measured on the H200 (BENCHMARKS.md,
+    ``scripts/split_sweep.py --head-groups 2``): with splits, 32-head CTAs are 3-6% faster
+    at 8 tokens x 64/128 heads (32/64 blocks) and 1-9% slower at 1 token (4/8 blocks); with
+    no split (more blocks than SMs) they were the better choice from the start.
+    ``num_sms`` is kept for the policy's signature (the rule does not use it now)."""
+    if num_heads <= 16 or num_tokens * -(-num_heads // 16) < TWO_GROUPS_MIN_BLOCKS:
         return 1
     return 2
 
@@ -104,14 +112,11 @@ _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sin
 
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``."""
-    # Two head groups are chosen only when 16-head CTAs would already fill the GPU, so their
-    # grid never needs splits (splits.py fills one wave at most): no partial-output variant.
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p), arch)
         for p, g, a, b, (f, s) in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
                                                     _MODES)
-        if g == 1 or f
     ]
     out += [KernelVariant(MergeConfig(has_sink=s), arch) for s in (False, True)]
     return out

@@ -1,6 +1,9 @@
 """Time bench shapes with the split count forced, to tune ``dispatch/splits.py`` by measurement.
 
-    python scripts/split_sweep.py [SHAPE ...]     # SHAPE = TxHxTOPK[+EXTRA], default: the T=1 and 8 grid
+    python scripts/split_sweep.py [--head-groups 2] [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
+
+``--head-groups 2`` also forces 32-head CTAs, with splits: a combination outside the
+shipped variant space (the dispatch never picks it), compiled on demand for the experiment.
 
 For every shape: the split ``plan_splits`` picks, then the call timed (bench.py's method:
 CUDA-graph replay, ``do_bench`` median with its L2 clear) with the split count forced to
@@ -12,6 +15,7 @@ the best marked with *.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,8 +42,14 @@ def forced(num_splits: int):
 
 
 def main(argv=None) -> int:
-    specs = (argv if argv is not None else sys.argv[1:]) or [
-        f"{T}x{H}x{s}" for T in (1, 8) for H in (16, 64, 128) for s in ("128", "512", "1024", "128+512")]
+    argv = list(argv if argv is not None else sys.argv[1:])
+    groups = None
+    if argv[:1] == ["--head-groups"]:
+        groups, argv = int(argv[1]), argv[2:]
+        shape_config = plan_mod.partial_shape_config
+        plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), head_groups=groups)
+        plan_mod.check_in_variant_space = lambda *a, **k: None
+    specs = argv or [f"{T}x{H}x{s}" for T in (1, 8) for H in (16, 64, 128) for s in ("128", "512", "1024", "128+512")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
@@ -51,10 +61,12 @@ def main(argv=None) -> int:
         q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
         call = api.validate_call(q, cache, idx, **kw)
         cfg = partial_shape_config(H, T, props.multi_processor_count)
+        if groups:
+            cfg = dataclasses.replace(cfg, head_groups=groups)
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,
                              smem_per_sm=props.shared_memory_per_multiprocessor)
         limit = min(chosen.num_chunks, MAX_SPLITS)
-        if cfg.head_groups > 1:  # two-group CTAs never split (variants.py)
+        if cfg.head_groups > 1 and not groups:  # the dispatch's two-group CTAs never split (variants.py)
             candidates = [1]
         else:
             candidates = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s <= limit} | {chosen.num_splits})
@@ -69,7 +81,8 @@ def main(argv=None) -> int:
                 api._PLANS.clear()
         best = min(times, key=times.get)
         cells = " ".join(f"{s}:{us:.1f}{'*' if s == best else ''}" for s, us in times.items())
-        print(f"{spec:>14} chosen {chosen.num_splits:>3} ({times[chosen.num_splits]:.1f} us)  {cells}", flush=True)
+        label = f"{spec} g{cfg.head_groups}"
+        print(f"{label:>17} chosen {chosen.num_splits:>3} ({times[chosen.num_splits]:.1f} us)  {cells}", flush=True)
     return 0
 
 

@@ -47,9 +47,10 @@ def test_shapes_do_not_reach_the_key():
 
 def test_head_groups_follow_heads_and_load():
     assert head_groups_for(16, 4096, 188) == 1  # 16 heads or fewer: one group
-    assert head_groups_for(128, 1, 188) == 1  # 8 CTAs of 16 heads: latency-bound, lighter CTAs
-    assert head_groups_for(64, 47, 188) == 1  # 188 CTAs of 16 heads: one per SM
-    assert head_groups_for(64, 48, 188) == 2  # more: each gathered row serves 32 heads
+    assert head_groups_for(128, 1, 188) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
+    assert head_groups_for(128, 3, 188) == 1  # 24 blocks
+    assert head_groups_for(128, 4, 188) == 2  # 32 blocks: each gathered row serves 32 heads
+    assert head_groups_for(64, 8, 132) == 2
     assert head_groups_for(17, 200, 188) == 2
 
 
@@ -199,4 +200,4 @@ def test_precision_defaults_and_availability():
     for arch in ("sm_90a", "sm_120a"):
         counts = {p: sum(1 for v in variant_space(arch) if v.kind == "partial" and v.config.precision == p)
                   for p in precisions_for(arch)}
-        assert set(counts.values()) == {20}  # every precision serves every call shape (12 + 8)
+        assert set(counts.values()) == {24}  # every precision serves every call shape (2 groups x 12)
