@@ -83,7 +83,8 @@ class DecodePlan:
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
-        shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision)
+        shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision,
+                                     entries=call.topk + call.extra_topk)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
                                  num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
         self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups,

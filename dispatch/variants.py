@@ -42,29 +42,35 @@ class KernelVariant:
         return f"{self.config.name}_{self.arch}"
 
 
-# Two head groups from this many 16-head blocks per call (tokens x ceil(heads / 16)) up.
+# Two head groups with splits from this many 16-head blocks per call (tokens x ceil(heads /
+# 16)) and this many entries per token (topk + extra_topk) up.
 TWO_GROUPS_MIN_BLOCKS = 32
+TWO_GROUPS_MIN_ENTRIES = 256
 
 
-def head_groups_for(num_heads: int, num_tokens: int, num_sms: int) -> int:
-    """16-head groups per CTA. Two when there are more than 16 heads and the call has at
-    least ``TWO_GROUPS_MIN_BLOCKS`` 16-head blocks: each gathered and dequantized row then
-    serves 32 heads. One otherwise: 16 or fewer heads do not pay for 32, and a small call
-    (latency-bound) gets more, lighter CTAs. Measured on the H200 (BENCHMARKS.md,
-    ``scripts/split_sweep.py --head-groups 2``): with splits, 32-head CTAs are 3-6% faster
-    at 8 tokens x 64/128 heads (32/64 blocks) and 1-9% slower at 1 token (4/8 blocks); with
-    no split (more blocks than SMs) they were the better choice from the start.
-    ``num_sms`` is kept for the policy's signature (the rule does not use it now)."""
-    if num_heads <= 16 or num_tokens * -(-num_heads // 16) < TWO_GROUPS_MIN_BLOCKS:
+def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: int) -> int:
+    """16-head groups per CTA: two (each gathered and dequantized row then serves 32 heads)
+    when there are more than 16 heads and either the 16-head blocks alone outnumber the SMs
+    (no split needed) or there are at least ``TWO_GROUPS_MIN_BLOCKS`` of them and at least
+    ``TWO_GROUPS_MIN_ENTRIES`` entries per token; one otherwise (16 or fewer heads do not pay
+    for 32, and a small call, latency-bound, gets more, lighter CTAs). Measured on the H200
+    (BENCHMARKS.md, ``scripts/split_sweep.py --head-groups 2``): with splits, 32-head CTAs
+    are 1-6% faster at 8 tokens x 64/128 heads with 512+ entries, 2-10% slower there with
+    128 entries and 1-9% slower at 1 token; without a split they were the better choice."""
+    blocks = num_tokens * -(-num_heads // 16)
+    if num_heads <= 16:
         return 1
-    return 2
+    if blocks > num_sms or (blocks >= TWO_GROUPS_MIN_BLOCKS and entries >= TWO_GROUPS_MIN_ENTRIES):
+        return 2
+    return 1
 
 
 def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
-                         precision: str = DEFAULT_PRECISION) -> PartialConfig:
+                         precision: str = DEFAULT_PRECISION, *, entries: int) -> PartialConfig:
     """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
     call: what the split plan depends on (the flags of a variant do not change its resources)."""
-    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms), precision=precision)
+    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms, entries=entries),
+                         precision=precision)
 
 
 def precisions_for(arch: str) -> tuple[str, ...]:

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         T, H = int(T), int(H)
         q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
         call = api.validate_call(q, cache, idx, **kw)
-        cfg = partial_shape_config(H, T, props.multi_processor_count)
+        cfg = partial_shape_config(H, T, props.multi_processor_count, entries=call.topk + call.extra_topk)
         if groups:
             cfg = dataclasses.replace(cfg, head_groups=groups)
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,

@@ -188,7 +188,8 @@ def test_decode_matches_reference(case: Case, precision: str):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
         "two runs on the same inputs differ: a race"
     props = torch.cuda.get_device_properties(device)
-    cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision)
+    cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision,
+                               entries=case.topk + (case.extra_topk or 0))
     plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, cfg=cfg,
                        num_sms=props.multi_processor_count, smem_per_sm=props.shared_memory_per_multiprocessor)
     rel, lse_err = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse, precision)

@@ -39,19 +39,22 @@ def test_shapes_do_not_reach_the_key():
     for T, H, topk, extra, page in itertools.product((1, 65), (1, 8, 16, 17, 64, 128), (1, 100, 1152), (0, 8192),
                                                     (2, 64, 256)):
         md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page, extra_topk=extra)
-        groups = head_groups_for(H, T, num_sms=188)
+        groups = head_groups_for(H, T, num_sms=188, entries=topk + extra)
         keys.setdefault(groups, set()).add((variants_for(md, "sm_120a", 1, groups),
                                             variants_for(md, "sm_120a", 4, groups)))
     assert len(keys[1]) == 1 and len(keys[2]) == 1 and keys[1] != keys[2]
 
 
 def test_head_groups_follow_heads_and_load():
-    assert head_groups_for(16, 4096, 188) == 1  # 16 heads or fewer: one group
-    assert head_groups_for(128, 1, 188) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
-    assert head_groups_for(128, 3, 188) == 1  # 24 blocks
-    assert head_groups_for(128, 4, 188) == 2  # 32 blocks: each gathered row serves 32 heads
-    assert head_groups_for(64, 8, 132) == 2
-    assert head_groups_for(17, 200, 188) == 2
+    assert head_groups_for(16, 4096, 188, entries=512) == 1  # 16 heads or fewer: one group
+    assert head_groups_for(128, 1, 188, entries=2048) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
+    assert head_groups_for(128, 3, 188, entries=512) == 1  # 24 blocks
+    assert head_groups_for(128, 4, 188, entries=512) == 2  # 32 blocks: each gathered row serves 32 heads
+    assert head_groups_for(128, 4, 188, entries=128) == 1  # ... but not for 128 entries (with splits)
+    assert head_groups_for(64, 8, 132, entries=256) == 2
+    assert head_groups_for(64, 34, 132, entries=64) == 2  # more blocks than SMs: no split, two groups
+    assert head_groups_for(64, 33, 132, entries=64) == 1  # 132 blocks: splits come in, 64 entries
+    assert head_groups_for(17, 200, 188, entries=1) == 2
 
 
 def test_variant_names_hold_every_code_generating_field():
@@ -76,7 +79,7 @@ def _another(value):
                                             (7, 1, 1, 0), (64, 64, 512, 512), (4096, 8, 100, 33),
                                             (1, 8, 8192, 8192)])
 def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
-    cfg = partial_shape_config(H, T, 188)
+    cfg = partial_shape_config(H, T, 188, entries=topk + extra)
     plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=188, smem_per_sm=SM120_SMEM_PER_SM)
     assert plan.num_chunks == math.ceil(topk / 32) + math.ceil(extra / 32)
     assert 1 <= plan.num_splits <= MAX_SPLITS  # the merge kernel has one thread per split
