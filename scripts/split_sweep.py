@@ -2,8 +2,8 @@
 
     python scripts/split_sweep.py [--head-groups 2] [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
 
-``--head-groups 2`` also forces 32-head CTAs, with splits: a combination outside the
-shipped variant space (the dispatch never picks it), compiled on demand for the experiment.
+``--head-groups 2`` also forces 32-head CTAs (for shapes where the dispatch would use 16),
+with the variant-space check off for the run.
 
 For every shape: the split ``plan_splits`` picks, then the call timed (bench.py's method:
 CUDA-graph replay, ``do_bench`` median with its L2 clear) with the split count forced to
@@ -66,10 +66,7 @@ def main(argv=None) -> int:
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,
                              smem_per_sm=props.shared_memory_per_multiprocessor)
         limit = min(chosen.num_chunks, MAX_SPLITS)
-        if cfg.head_groups > 1 and not groups:  # the dispatch's two-group CTAs never split (variants.py)
-            candidates = [1]
-        else:
-            candidates = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s <= limit} | {chosen.num_splits})
+        candidates = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s <= limit} | {chosen.num_splits})
         times = {}
         for s in candidates:
             plan_mod.plan_splits = forced(s)
