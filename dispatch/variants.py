@@ -4,7 +4,7 @@ A variant is a kernel configuration plus a target arch. Everything else about a 
 (num_tokens, num_heads, topk, extra_topk, page block sizes, strides, the split of the work)
 is a runtime argument, so the set of variants is small and closed:
 
-    partial: precision (``precisions_for(arch)``) x head_groups (1 for <= 16 heads, else 2) x has_topk_length x
+    partial: precision (``precisions_for(arch)``) x head_groups (1 or 2: ``head_groups_for``) x has_topk_length x
              has_extra_topk_length x (split mode | final mode without sink | final mode with sink)
     merge:   has_sink
 

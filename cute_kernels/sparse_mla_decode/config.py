@@ -19,6 +19,7 @@ SLOT_BUFFERS = 3  # the partial kernel loads each chunk's indices two chunks ahe
 RAW_ROW_STRIDE = 592
 PRECISIONS = ("bf16", "fp8", "mxf8")
 BLOCK_SCALED_ARCHS = ("sm_120a", "sm_121a")  # the archs with the block-scaled MMA ("mxf8")
+FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 4 for the rope dims)
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ class PartialConfig:
 
     @property
     def q_region_bytes(self) -> int:
-        """FP8 path: the bf16 Q tile, later every thread's 36 Q operand registers."""
-        return max(self.heads_per_cta * D_QK * 2, self.num_threads * 36 * 4)
+        """FP8 path: the bf16 Q tile, later every thread's ``FP8_Q_REGS`` Q operand registers."""
+        return max(self.heads_per_cta * D_QK * 2, self.num_threads * FP8_Q_REGS * 4)
 
     def smem_bytes(self) -> int:
         if self.precision == "bf16":

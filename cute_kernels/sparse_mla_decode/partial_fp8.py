@@ -57,7 +57,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.memory import SmemAllocator
 
-from .config import RAW_ROW_STRIDE, SLOT_BUFFERS
+from .config import FP8_Q_REGS as Q_REGS, RAW_ROW_STRIDE, SLOT_BUFFERS
 from .device_utils import store_f32
 from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BIAS
 from .partial import SparseMlaPartialKernel
@@ -67,12 +67,7 @@ from .warp_ops import (
 )
 
 UNIT = 64  # columns per nope unit: one scale tile
-Q_REGS = 36  # Q operand registers per thread: 2 nope units x 16, 4 for the rope dims
 P_HEADROOM_LOG2 = 8  # P' = P * 2**(b - R + 8) <= 256: inside e4m3's range, 8 binades above P
-
-
-def _smem_ptr(dtype, addr, align):
-    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=align), cute.make_layout(1))
 
 
 def _smem_vec(dtype, addr, n):
