@@ -25,15 +25,16 @@ def sparse_mla_decode_op(
     extra_kv_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
+    precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same semantics as ``dispatch.sparse_mla_decode`` (lse: natural log, sink not folded in)."""
     return sparse_mla_decode(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                              extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                             extra_topk_length=extra_topk_length)
+                             extra_topk_length=extra_topk_length, precision=precision)
 
 
 @sparse_mla_decode_op.register_fake
 def _(q, kv_cache, indices, sm_scale, topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
-      extra_topk_length=None):
+      extra_topk_length=None, precision=None):
     lead = q.shape[:-1]
     return q.new_empty(*lead, D_V), q.new_empty(*lead, dtype=torch.float32)

@@ -165,14 +165,16 @@ def test_torch_compile_fullgraph():
     q, cache, idx, kw = _inputs(T=4)
     scale = 512 ** -0.5
 
-    def layer(q, cache, idx, lens, sink, extra, e_idx, e_lens):
-        out, lse = torch.ops.dsv4_mla.sparse_mla_decode(q * 1.0, cache, idx, scale, lens, sink, extra, e_idx, e_lens)
+    def layer(q, cache, idx, lens, sink, extra, e_idx, e_lens, precision):
+        out, lse = torch.ops.dsv4_mla.sparse_mla_decode(q * 1.0, cache, idx, scale, lens, sink, extra, e_idx, e_lens,
+                                                        precision)
         return out.float().sum(-1) + lse
 
     args = (q, cache, idx, kw["topk_length"], kw["attn_sink"], kw["extra_kv_cache"], kw["extra_indices"],
             kw["extra_topk_length"])
-    compiled = torch.compile(layer, fullgraph=True)
-    assert torch.allclose(compiled(*args), layer(*args), equal_nan=True)
+    for precision in (None, "fp8"):
+        compiled = torch.compile(layer, fullgraph=True)
+        assert torch.allclose(compiled(*args, precision), layer(*args, precision), equal_nan=True)
 
 
 def test_flash_mla_adapter_conventions():
