@@ -84,6 +84,10 @@ def _bits_to_f32(bits: Int32) -> Float32:
 class SparseMlaPartialKernel:
     """The partial kernel for one ``PartialConfig``; ``__call__`` is the ``cute.jit`` launcher."""
 
+    # whether the gather writes zeros for an invalid entry's row: the bf16 path's
+    # dequantization does that itself; a kernel reading the raw rows must say True
+    ZERO_FILL_INVALID_ROWS = False
+
     def __init__(self, cfg: PartialConfig):
         cfg.check()
         self.cfg = cfg
@@ -618,8 +622,8 @@ class SparseMlaPartialKernel:
             mask = cute.arch.vote_ballot_sync(valid)
             if tidx == 0:
                 sMask[buf] = mask
-        if const_expr(self.cfg.precision != "bf16"):
-            # the FP8 path multiplies the raw rows directly: an invalid entry's row must be
+        if const_expr(self.ZERO_FILL_INVALID_ROWS):
+            # a kernel multiplying the raw rows directly needs an invalid entry's row to be
             # zeros (its probability is 0, and 0 times stale bytes that decode as NaN is NaN)
             if slot < 0:
                 for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
