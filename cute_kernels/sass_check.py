@@ -91,14 +91,14 @@ class LoopMix:
     mma: int
     shared_memory: int  # LDS*, STS*, LDSM*, LDGSTS (cp.async)
     barriers: int
+    mma_kinds: dict = field(default_factory=dict)  # MMA opcode with modifiers -> count
 
 
 _SHARED_MEMORY_OPS = ("LDS", "STS", "LDSM", "LDGSTS")
 
 
-def mma_loop_mix(sass: str) -> LoopMix:
-    """The innermost loop of ``sass`` (``nvdisasm -c`` text of one kernel) that holds every
-    MMA instruction: the main loop of this project's partial kernel, one chunk per pass."""
+def _instructions(sass: str):
+    """(address, text) of every instruction and the address of every label."""
     label_addr, body, pending = {}, [], []
     for line in sass.splitlines():
         label = re.match(r"^(\.L_x_\d+):", line)
@@ -112,26 +112,58 @@ def mma_loop_mix(sass: str) -> LoopMix:
                 label_addr[name] = addr
             pending = []
             body.append((addr, ins.group(2).strip()))
-    mma = [a for a, t in body if re.search(r"\b[A-Z]*MMA\b|\b[A-Z]*MMA\.", t)]
-    if not mma:
-        raise ValueError("no MMA instruction in this SASS")
+    return body, label_addr
+
+
+def _is_mma(text: str) -> bool:
+    return re.search(r"\b[A-Z]*MMA\b|\b[A-Z]*MMA\.", text) is not None
+
+
+def _backward_loops(body, label_addr) -> list:
+    """(start, end) of every loop closed by a backward branch."""
     loops = []
     for addr, text in body:
         target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
-        if target and label_addr.get(target.group(1), addr + 1) <= addr:  # a backward branch
-            start = label_addr[target.group(1)]
-            if start <= min(mma) and addr >= max(mma):
-                loops.append((addr - start, start, addr))
-    if not loops:
-        raise ValueError("no loop holds every MMA instruction")
-    _, start, end = min(loops)
+        if target and label_addr.get(target.group(1), addr + 1) <= addr:
+            loops.append((label_addr[target.group(1)], addr))
+    return loops
+
+
+def _mix(body, start: int, end: int) -> LoopMix:
     ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in body if start <= a <= end]
     return LoopMix(
         instructions=len(ops),
         mma=sum(1 for o in ops if re.match(r"[A-Z]*MMA\b|[A-Z]*MMA\.", o)),
         shared_memory=sum(1 for o in ops if o.split(".")[0] in _SHARED_MEMORY_OPS),
         barriers=sum(1 for o in ops if o.startswith("BAR.")),
+        mma_kinds=dict(collections.Counter(o for o in ops if re.match(r"[A-Z]*MMA\b|[A-Z]*MMA\.", o))),
     )
+
+
+def mma_loops(sass: str) -> list[LoopMix]:
+    """Every innermost loop of ``sass`` that holds MMA instructions, in code order: the
+    main loops of this project's partial kernels (one per warp role in the "f16" kernel)."""
+    body, label_addr = _instructions(sass)
+    with_mma = [(s, e) for s, e in _backward_loops(body, label_addr)
+                if any(_is_mma(t) for a, t in body if s <= a <= e)]
+    innermost = [(s, e) for s, e in with_mma if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e)
+                                                          for s2, e2 in with_mma)]
+    return [_mix(body, s, e) for s, e in sorted(innermost)]
+
+
+def mma_loop_mix(sass: str) -> LoopMix:
+    """The innermost loop of ``sass`` (``nvdisasm -c`` text of one kernel) that holds every
+    MMA instruction: the main loop of this project's partial kernel, one chunk per pass."""
+    body, label_addr = _instructions(sass)
+    mma = [a for a, t in body if _is_mma(t)]
+    if not mma:
+        raise ValueError("no MMA instruction in this SASS")
+    loops = [(end - start, start, end) for start, end in _backward_loops(body, label_addr)
+             if start <= min(mma) and end >= max(mma)]
+    if not loops:
+        raise ValueError("no loop holds every MMA instruction")
+    _, start, end = min(loops)
+    return _mix(body, start, end)
 
 
 def disassemble(cubin: bytes) -> str:

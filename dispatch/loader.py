@@ -84,6 +84,10 @@ def _report_once(message: str) -> None:
 def build_kernel(variant: KernelVariant):
     """The kernel object (a ``cute.jit`` callable) of a variant."""
     if variant.kind == "partial":
+        if variant.config.precision == "f16":
+            from cute_kernels.sparse_mla_decode.partial_f16 import SparseMlaPartialF16Kernel
+
+            return SparseMlaPartialF16Kernel(variant.config)
         if variant.config.precision != "bf16":  # "fp8" and "mxf8"
             from cute_kernels.sparse_mla_decode.partial_fp8 import SparseMlaPartialFp8Kernel
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
+from cute_kernels.sparse_mla_decode.config import REGISTERS_PER_SM, MergeConfig, PartialConfig
 
 # One chunk (32 entries) per split when the grid needs splits at all: measured on the H200
 # (scripts/bench.py, 2026-11-29) T=1 went from 17.9-20.4 us to 13.3-19.2 us against a
@@ -12,10 +12,6 @@ from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 MIN_CHUNKS_PER_SPLIT = 1
 # The merge kernel combines at most this many splits (one of its threads per split).
 MAX_SPLITS = MergeConfig().max_splits
-# The partial kernels use up to this many registers per thread (sm_120a: 197-254, see
-# `python scripts/aot_build.py --report`); with it, what an SM can hold at once.
-MAX_REGISTERS_PER_THREAD = 255
-REGISTERS_PER_SM = 65536
 DRIVER_SMEM_PER_CTA = 1024
 
 
@@ -31,7 +27,7 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
 
     On sm_120 (100 KB of shared memory per SM) that is 1 for every configuration; on the
     H200 (228 KB) 2 with one head group and 1 with two (registers)."""
-    by_registers = REGISTERS_PER_SM // (MAX_REGISTERS_PER_THREAD * cfg.num_threads)
+    by_registers = REGISTERS_PER_SM // (cfg.max_registers * cfg.num_threads)
     by_smem = smem_per_sm // (cfg.smem_bytes() + DRIVER_SMEM_PER_CTA)
     return max(1, min(by_registers, by_smem))
 

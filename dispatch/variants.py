@@ -6,7 +6,7 @@ is a runtime argument, so the set of variants is small and closed:
 
     partial: precision (``precisions_for(arch)``) x head_groups (1 or 2: ``head_groups_for``) x has_topk_length x
              has_extra_topk_length x (split mode | final mode without sink | final mode with sink)
-    merge:   has_sink
+    merge:   has_sink x split_batch (``merge_batch_for(num_splits)``)
 
 A call whose work needs one split runs the partial kernel in final mode (it writes out
 and lse itself); otherwise the partial kernel writes per-split partials and the merge
@@ -19,11 +19,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from cute_kernels.sparse_mla_decode.config import BLOCK_SCALED_ARCHS, PRECISIONS, MergeConfig, PartialConfig
+from cute_kernels.sparse_mla_decode.config import (
+    BLOCK_SCALED_ARCHS, MERGE_BATCHES, PRECISIONS, MergeConfig, PartialConfig, merge_batch_for,
+)
 
 from .metadata import DecodeMetadata
 
-DEFAULT_PRECISION = "bf16"
+DEFAULT_PRECISION = "f16"
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,17 @@ TWO_GROUPS_MIN_BLOCKS = 32
 TWO_GROUPS_MIN_ENTRIES = 256
 
 
-def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: int) -> int:
-    """16-head groups per CTA: two (each gathered and dequantized row then serves 32 heads)
+def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: int,
+                    precision: str = DEFAULT_PRECISION) -> int:
+    """16-head groups per CTA.
+
+    "f16": two (every operand register a warp converts then serves two m16 tiles) when
+    there are more than 16 heads and the 16-head blocks outnumber the SMs; one otherwise.
+    Measured on the H200 (BENCHMARKS.md, ``scripts/bench.py --head-groups``): 32-head CTAs
+    are 3-5% faster at 64 tokens x 64/128 heads, and 0-6% slower wherever the call needs
+    splits (8 tokens and fewer), where the one-group kernel runs two 256-thread CTAs per SM.
+
+    The other precisions: two (each gathered and dequantized row then serves 32 heads)
     when there are more than 16 heads and either the 16-head blocks alone outnumber the SMs
     (no split needed) or there are at least ``TWO_GROUPS_MIN_BLOCKS`` of them and at least
     ``TWO_GROUPS_MIN_ENTRIES`` entries per token; one otherwise (16 or fewer heads do not pay
@@ -60,6 +71,8 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     blocks = num_tokens * -(-num_heads // 16)
     if num_heads <= 16:
         return 1
+    if precision == "f16":
+        return 2 if blocks > num_sms else 1
     if blocks > num_sms or (blocks >= TWO_GROUPS_MIN_BLOCKS and entries >= TWO_GROUPS_MIN_ENTRIES):
         return 2
     return 1
@@ -69,7 +82,8 @@ def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
                          precision: str = DEFAULT_PRECISION, *, entries: int) -> PartialConfig:
     """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
     call: what the split plan depends on (the flags of a variant do not change its resources)."""
-    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms, entries=entries),
+    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms, entries=entries,
+                                                     precision=precision),
                          precision=precision)
 
 
@@ -82,11 +96,13 @@ def precisions_for(arch: str) -> tuple[str, ...]:
 def resolve_precision(precision: str | None, arch: str) -> str:
     """The compute path of a call: the caller's choice, else the default for ``arch``.
 
-    The default is bf16 on every arch, by measurement (BENCHMARKS.md, README "Precision"):
-    on the H200 the FP8 path is slower (sm_90 has no e4m3 ``mma.sync``: ptxas emulates it
-    with f16 MMAs and conversions, 57% more instructions executed), and on sm_120 its main
-    loop has about as many instructions as the bf16 one ("fp8": 918 vs 921 per chunk,
-    "mxf8": 841) for 1-2% output error instead of 0.1-0.5%."""
+    The default is "f16" on every arch, by measurement (BENCHMARKS.md, README "Precision"):
+    on the H200 it is faster than "bf16" on every bench shape (up to 1.9x at 64 tokens x
+    64/128 heads) and as accurate (the cache values are exact in f16; P has 11 bits, not
+    8); its sm_120a main loop per chunk and thread (32 heads) has 727 instructions in the
+    nope warps and 536 in the rope warp, against 918 for bf16.
+    The FP8 paths are slower on the H200 (sm_90 has no e4m3 ``mma.sync``: ptxas emulates
+    it) and 10x less accurate; on sm_120 they are for measuring there first."""
     if precision is None:
         return DEFAULT_PRECISION
     if precision not in precisions_for(arch):
@@ -110,19 +126,25 @@ def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: in
     )
     if final:
         return (KernelVariant(partial, arch),)
-    return KernelVariant(partial, arch), KernelVariant(MergeConfig(has_sink=md.has_sink), arch)
+    merge = MergeConfig(has_sink=md.has_sink, split_batch=merge_batch_for(num_splits))
+    return KernelVariant(partial, arch), KernelVariant(merge, arch)
 
 
 _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sink)
 
 
 def variant_space(arch: str) -> list[KernelVariant]:
-    """Every variant the dispatch can select for ``arch``."""
+    """Every variant the dispatch can select for ``arch``.
+
+    "f16" has no two-group partial-mode (split) variants: its two-group CTAs come only with
+    more 16-head blocks than SMs (``head_groups_for``), i.e. more than half as many 32-head
+    CTAs as SMs, where one wave has no room for a second split."""
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p), arch)
         for p, g, a, b, (f, s) in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
                                                     _MODES)
+        if not (p == "f16" and g == 2 and not f)
     ]
-    out += [KernelVariant(MergeConfig(has_sink=s), arch) for s in (False, True)]
+    out += [KernelVariant(MergeConfig(has_sink=s, split_batch=b), arch) for s in (False, True) for b in MERGE_BATCHES]
     return out

@@ -86,6 +86,18 @@ def inputs(T, H, shape, caches, gen):
     return q, main, idx, {}, topk
 
 
+def force_head_groups(groups: int) -> None:
+    """Make every plan use ``groups`` 16-head groups per CTA (a measurement aid: the
+    variant-space check is switched off for the process)."""
+    import dataclasses
+
+    import dispatch.plan as plan_mod
+
+    shape_config = plan_mod.partial_shape_config
+    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), head_groups=groups)
+    plan_mod.check_in_variant_space = lambda *a, **k: None
+
+
 def graph_time_us(fn) -> float:
     from triton.testing import do_bench
 
@@ -101,10 +113,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     ap.add_argument("--quick", action="store_true", help="T=1 and 64 only, no torch reference")
-    ap.add_argument("--precision", action="append", choices=("default", "bf16", "fp8"),
+    ap.add_argument("--precision", action="append", choices=("default", "bf16", "f16", "fp8"),
                     help="compute path(s) to time (repeatable; default: the dispatch's choice)")
+    ap.add_argument("--tokens", help="comma-separated T values of the grid to run (default: all)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch reference timing")
+    ap.add_argument("--head-groups", type=int, choices=(1, 2),
+                    help="force 16-head (1) or 32-head (2) CTAs on every call (variant-space check off)")
     args = ap.parse_args(argv)
     precisions = args.precision or ["default"]
+    if args.head_groups:
+        force_head_groups(args.head_groups)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
@@ -112,7 +130,8 @@ def main(argv=None) -> int:
               make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
     ceiling = copy_ceiling_gbs()
     print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s", flush=True)
-    grid = [row for row in GRID if not args.quick or row[0] in QUICK_TOKENS]
+    tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else None
+    grid = [row for row in GRID if (not args.quick or row[0] in QUICK_TOKENS) and (tokens is None or row[0] in tokens)]
     rows = []
     for n, (T, H, shape) in enumerate(grid):
         q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen)
@@ -120,7 +139,7 @@ def main(argv=None) -> int:
                                                             **kw))
                  for p in precisions}
         us = times[precisions[0]]
-        ref_us = math.nan if args.quick else graph_time_us(lambda: reference_decode(q, cache, idx, **kw))
+        ref_us = math.nan if args.quick or args.no_torch else graph_time_us(lambda: reference_decode(q, cache, idx, **kw))
         gbs = T * entries * TOKEN_BYTES / (us * 1e-6) / 1e9
         fm = FLASHMLA_US.get((T, H, shape))
         row = dict(T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, torch_us=ref_us,

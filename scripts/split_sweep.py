@@ -1,9 +1,10 @@
 """Time bench shapes with the split count forced, to tune ``dispatch/splits.py`` by measurement.
 
-    python scripts/split_sweep.py [--head-groups 2] [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
+    python scripts/split_sweep.py [--head-groups 2] [--precision P] [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
 
 ``--head-groups 2`` also forces 32-head CTAs (for shapes where the dispatch would use 16),
-with the variant-space check off for the run.
+with the variant-space check off for the run; ``--precision`` times that compute path
+(default: the dispatch's).
 
 For every shape: the split ``plan_splits`` picks, then the call timed (bench.py's method:
 CUDA-graph replay, ``do_bench`` median with its L2 clear) with the split count forced to
@@ -27,8 +28,8 @@ import dispatch.api as api  # noqa: E402
 import dispatch.plan as plan_mod  # noqa: E402
 from dispatch import sparse_mla_decode  # noqa: E402
 from dispatch.splits import MAX_SPLITS, SplitPlan, plan_splits  # noqa: E402
-from dispatch.variants import partial_shape_config  # noqa: E402
-from scripts.bench import NUM_BLOCKS, PAGE, graph_time_us, inputs  # noqa: E402
+from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E402
+from scripts.bench import NUM_BLOCKS, PAGE, force_head_groups, graph_time_us, inputs  # noqa: E402
 from tests.dsv4_inputs import make_cache  # noqa: E402
 
 
@@ -43,12 +44,14 @@ def forced(num_splits: int):
 
 def main(argv=None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
-    groups = None
-    if argv[:1] == ["--head-groups"]:
-        groups, argv = int(argv[1]), argv[2:]
-        shape_config = plan_mod.partial_shape_config
-        plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), head_groups=groups)
-        plan_mod.check_in_variant_space = lambda *a, **k: None
+    groups, precision = None, None
+    while argv[:1] in (["--head-groups"], ["--precision"]):
+        if argv[0] == "--head-groups":
+            groups = int(argv[1])
+            force_head_groups(groups)
+        else:
+            precision = argv[1]
+        argv = argv[2:]
     specs = argv or [f"{T}x{H}x{s}" for T in (1, 8) for H in (16, 64, 128) for s in ("128", "512", "1024", "128+512")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
         T, H = int(T), int(H)
         q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
         call = api.validate_call(q, cache, idx, **kw)
-        cfg = partial_shape_config(H, T, props.multi_processor_count, entries=call.topk + call.extra_topk)
+        cfg = partial_shape_config(H, T, props.multi_processor_count, precision or DEFAULT_PRECISION,
+                                   entries=call.topk + call.extra_topk)
         if groups:
             cfg = dataclasses.replace(cfg, head_groups=groups)
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
             plan_mod.plan_splits = forced(s)
             api._PLANS.clear()
             try:
-                times[s] = graph_time_us(lambda: sparse_mla_decode(q, cache, idx, **kw))
+                times[s] = graph_time_us(lambda: sparse_mla_decode(q, cache, idx, precision=precision, **kw))
             finally:
                 plan_mod.plan_splits = plan_splits
                 api._PLANS.clear()

@@ -11,10 +11,15 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def make_cache(num_blocks: int, page: int, *, device, block_stride: int | None = None, poison_blocks=(),
-               layout: str = "nhd", gen: torch.Generator | None = None) -> torch.Tensor:
+               layout: str = "nhd", gen: torch.Generator | None = None, spread: int = 0) -> torch.Tensor:
     """A random FP8 cache. Blocks in ``poison_blocks`` and every padding byte are 0xFF (NaN as
-    e4m3 and as bf16, scale 2**128): a kernel that reads them produces NaN."""
-    latent = torch.randn(num_blocks, page, D_QK, generator=gen, device="cpu").to(torch.bfloat16)
+    e4m3 and as bf16, scale 2**128): a kernel that reads them produces NaN. ``spread``: each
+    token's latent is multiplied by a random power of two in [2**-spread, 2**spread], so the
+    tokens' scale bytes differ by up to 2 * spread."""
+    latent = torch.randn(num_blocks, page, D_QK, generator=gen, device="cpu")
+    if spread:
+        latent = latent * torch.exp2(torch.randint(-spread, spread + 1, (num_blocks, page, 1), generator=gen).float())
+    latent = latent.to(torch.bfloat16)
     stride = default_block_stride(page) if block_stride is None else block_stride
     cache = pack_latent(latent.to(device), block_stride=stride)
     buf = torch.as_strided(cache, (num_blocks, stride), (stride, 1))

@@ -17,7 +17,7 @@ from dispatch.variants import variant_space
 from scripts import aot_build
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICE = "merge|bf16_g1x16.*len11_final1_sink1"  # the two merge variants and one partial variant
+SLICE = "merge_t128_b8|_f16_g1x16.*len11_final1_sink1"  # two merge variants (batch 8) and one partial variant
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +66,7 @@ def test_manifest_records_every_field(built):
         assert (built / entry["object"]).exists()
         assert entry["resources"]["local_bytes"] == 0 and entry["resources"]["local_memory_instructions"] == 0
         if "partial" in name:
-            assert entry["resources"]["mma"] == {"HMMA.16816.F32.BF16": 64}
+            assert entry["resources"]["mma"] == {"HMMA.16816.F32": 32, "HMMA.16816.F32.BF16": 32}
             assert entry["resources"]["static_smem_bytes"] + entry["resources"]["dynamic_smem_bytes"] <= 101376
     text = aot_build.report(built)
     assert "3 variants; 0 spill; 0 over 99 KB" in text
@@ -89,7 +89,7 @@ def test_mismatched_entry_is_never_loaded(built, tmp_path, caplog, field):
     copy = tmp_path / "aot"
     shutil.copytree(built, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
-    name = next(n for n in manifest["entries"] if "merge_t128_sink0" in n)
+    name = next(n for n in manifest["entries"] if "merge_t128_b8_sink0" in n)
     manifest["entries"][name]["fingerprint"][field] = "something else"
     (copy / "manifest.json").write_text(json.dumps(manifest))
     loader.set_aot_dir(copy)
@@ -103,10 +103,10 @@ def test_mismatched_entry_is_never_loaded(built, tmp_path, caplog, field):
 def test_corrupt_object_is_never_loaded(built, tmp_path, caplog):
     copy = tmp_path / "aot"
     shutil.copytree(built, copy)
-    obj = next(copy.glob("*merge_t128_sink1*.o"))
+    obj = next(copy.glob("*merge_t128_b8_sink1*.o"))
     obj.write_bytes(obj.read_bytes()[:100])
     loader.set_aot_dir(copy)
-    (v,) = [v for v in aot_build.planned_variants(["sm_120a"], "merge_t128_sink1")]
+    (v,) = [v for v in aot_build.planned_variants(["sm_120a"], "merge_t128_b8_sink1")]
     with caplog.at_level(logging.WARNING, logger="dsv4_mla"):
         loader.get_compiled(v)
     assert loader.stats["aot_loaded"] == 0 and loader.stats["compiled"] == 1
@@ -118,7 +118,7 @@ def test_corrupt_manifest_is_ignored(built, tmp_path, caplog):
     shutil.copytree(built, copy)
     (copy / "manifest.json").write_text("{ not json")
     loader.set_aot_dir(copy)
-    (v,) = aot_build.planned_variants(["sm_120a"], "merge_t128_sink0")
+    (v,) = aot_build.planned_variants(["sm_120a"], "merge_t128_b8_sink0")
     with caplog.at_level(logging.WARNING, logger="dsv4_mla"):
         loader.get_compiled(v)
     assert loader.stats["compiled"] == 1 and "corrupt AOT manifest" in caplog.text
@@ -127,7 +127,7 @@ def test_corrupt_manifest_is_ignored(built, tmp_path, caplog):
 def test_no_jit_switch_refuses_a_missing_variant(tmp_path):
     loader.set_aot_dir(tmp_path)
     loader.set_require_aot(True)
-    (v,) = aot_build.planned_variants(["sm_120a"], "merge_t128_sink0")
+    (v,) = aot_build.planned_variants(["sm_120a"], "merge_t128_b8_sink0")
     with pytest.raises(loader.MissingAotVariant) as info:
         loader.get_compiled(v)
     assert v.name in str(info.value)
@@ -142,7 +142,7 @@ _WORKER = textwrap.dedent("""
     from dispatch import loader
     from dispatch.registry import registry_variants
     loader.PACKAGE_AOT_DIR = Path({none!r})
-    (v,) = [v for v in registry_variants("sm_121a") if "merge_t128_sink1" in v.name]
+    (v,) = [v for v in registry_variants("sm_121a") if "merge_t128_b8_sink1" in v.name]
     loader.get_compiled(v)
     print(json.dumps(loader.stats))
 """)

@@ -49,6 +49,7 @@ class Case:
     q4d: bool = False  # q [B, S, H, 512], indices [B, S, topk]
     q_head_pad: int = 0  # extra elements between heads of q (a strided view)
     sm_scale: float | None = None
+    spread: int = 0  # tokens' magnitudes differ by up to 2**(2 * spread) (their scale bytes by 2 * spread)
 
     def __str__(self):
         fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
@@ -87,6 +88,10 @@ CASES = [
     Case(T=300, H=128, topk=128, sink="mixed", lengths="edge", extra_topk=64, extra_page=2, extra_blocks=300,
          extra_lengths="random", invalid=0.1, empty_tokens=True),
     Case(T=700, H=64, topk=192, sink="finite", q_head_pad=16),
+    # per-token magnitudes over 16 binades: the scales folded into P ("f16", "fp8") stay
+    # relative to the split's largest
+    Case(T=6, H=32, topk=512, spread=8),
+    Case(T=3, H=16, topk=128, extra_topk=256, spread=8, sink="finite", lengths="random"),
 ]
 
 
@@ -121,7 +126,7 @@ def build_inputs(case: Case, device):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh every run, reproducible from the log
     usable = [b for b in range(case.num_blocks) if b not in POISON_BLOCKS]
     cache = make_cache(case.num_blocks, case.page, device=device, poison_blocks=POISON_BLOCKS,
-                       layout=case.layout, block_stride=case.block_stride, gen=gen)
+                       layout=case.layout, block_stride=case.block_stride, gen=gen, spread=case.spread)
     idx = make_indices(case.T, case.topk, case.num_blocks * case.page, device=device, usable_blocks=usable,
                        page=case.page, invalid_frac=case.invalid, gen=gen)
     if case.duplicates:
@@ -136,7 +141,8 @@ def build_inputs(case: Case, device):
     if case.extra_topk is not None:
         e_usable = [b for b in range(case.extra_blocks) if b not in POISON_BLOCKS]
         kw["extra_kv_cache"] = make_cache(case.extra_blocks, case.extra_page, device=device,
-                                          poison_blocks=POISON_BLOCKS, layout=case.extra_layout, gen=gen)
+                                          poison_blocks=POISON_BLOCKS, layout=case.extra_layout, gen=gen,
+                                          spread=case.spread)
         e_idx = make_indices(case.T, case.extra_topk, case.extra_blocks * case.extra_page, device=device,
                              usable_blocks=e_usable, page=case.extra_page, invalid_frac=case.invalid, gen=gen)
         if case.empty_tokens:
@@ -168,7 +174,7 @@ def check_against_reference(out, lse, ref_out, ref_lse, precision="bf16"):
     return worst, lse_err
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "mxf8"])
+@pytest.mark.parametrize("precision", ["bf16", "f16", "fp8", "mxf8"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_decode_matches_reference(case: Case, precision: str):
     device = torch.device("cuda")

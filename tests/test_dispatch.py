@@ -24,7 +24,7 @@ def test_variant_keys_follow_the_metadata():
                             has_topk_length=a, has_extra_topk_length=b, has_sink=s)
         partial, merge = variants_for(md, "sm_120a", num_splits=3, head_groups=1)
         assert partial.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b)  # 8 heads: one group
-        assert merge.config == MergeConfig(has_sink=s)
+        assert merge.config == MergeConfig(has_sink=s, split_batch=8)  # 3 splits: one batch of 8
         (final,) = variants_for(md, "sm_120a", num_splits=1, head_groups=1)  # one split: no merge, sink in the epilogue
         assert final.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b, final_output=True,
                                              has_sink=s)
@@ -46,14 +46,24 @@ def test_shapes_do_not_reach_the_key():
 
 
 def test_head_groups_follow_heads_and_load():
-    assert head_groups_for(16, 4096, 188, entries=512) == 1  # 16 heads or fewer: one group
-    assert head_groups_for(128, 1, 188, entries=2048) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
-    assert head_groups_for(128, 3, 188, entries=512) == 1  # 24 blocks
-    assert head_groups_for(128, 4, 188, entries=512) == 2  # 32 blocks: each gathered row serves 32 heads
-    assert head_groups_for(128, 4, 188, entries=128) == 1  # ... but not for 128 entries (with splits)
-    assert head_groups_for(64, 8, 132, entries=256) == 2
-    assert head_groups_for(64, 34, 132, entries=64) == 2  # more blocks than SMs: no split, two groups
-    assert head_groups_for(64, 33, 132, entries=64) == 1  # 132 blocks: splits come in, 64 entries
+    def bf16(*args, **kw):
+        return head_groups_for(*args, precision="bf16", **kw)
+
+    assert bf16(16, 4096, 188, entries=512) == 1  # 16 heads or fewer: one group
+    assert bf16(128, 1, 188, entries=2048) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
+    assert bf16(128, 3, 188, entries=512) == 1  # 24 blocks
+    assert bf16(128, 4, 188, entries=512) == 2  # 32 blocks: each gathered row serves 32 heads
+    assert bf16(128, 4, 188, entries=128) == 1  # ... but not for 128 entries (with splits)
+    assert bf16(64, 8, 132, entries=256) == 2
+    assert bf16(64, 34, 132, entries=64) == 2  # more blocks than SMs: no split, two groups
+    assert bf16(64, 33, 132, entries=64) == 1  # 132 blocks: splits come in, 64 entries
+    assert bf16(17, 200, 188, entries=1) == 2
+    # "f16" (the default): two groups only where the 16-head blocks outnumber the SMs
+    assert head_groups_for(16, 4096, 188, entries=512) == 1
+    assert head_groups_for(128, 4, 188, entries=512) == 1  # 32 blocks: splits, two one-group CTAs per SM
+    assert head_groups_for(128, 8, 132, entries=1024) == 1  # 64 blocks
+    assert head_groups_for(64, 34, 132, entries=64) == 2  # 136 blocks > 132 SMs
+    assert head_groups_for(64, 33, 132, entries=4096) == 1  # 132 blocks
     assert head_groups_for(17, 200, 188, entries=1) == 2
 
 
@@ -147,7 +157,7 @@ BAD = [
     ("lse dtype", {}, dict(lse=torch.empty(2, 16, dtype=torch.bfloat16)), "lse must be float32"),
     ("lse shape", {}, dict(lse=torch.empty(16, 2)), "lse has shape [16, 2], expected [2, 16]"),
     ("lse convention", {}, dict(lse_convention="log10"), "lse_convention must be 'natural' or 'log2_with_sink'"),
-    ("precision unknown", {}, dict(precision="fp16"), "precision must be one of ('bf16', 'fp8', 'mxf8')"),
+    ("precision unknown", {}, dict(precision="fp16"), "precision must be one of ('bf16', 'f16', 'fp8', 'mxf8')"),
     ("valid but on cpu", {}, {}, "the kernels run on CUDA devices only"),
 ]
 
@@ -182,25 +192,30 @@ def test_readme_table_lists_every_refusal():
 
 
 def test_resident_ctas_per_sm():
-    """sm_120 (100 KB of shared memory per SM) holds one partial CTA of either shape; the H200
-    (228 KB) two of the one-group shape and one of the two-group shape (registers)."""
-    one, two = PartialConfig(head_groups=1), PartialConfig(head_groups=2)
-    assert resident_ctas_per_sm(one, SM120_SMEM_PER_SM) == resident_ctas_per_sm(two, SM120_SMEM_PER_SM) == 1
-    assert resident_ctas_per_sm(one, H200_SMEM_PER_SM) == 2
-    assert resident_ctas_per_sm(two, H200_SMEM_PER_SM) == 1
+    """sm_120 (100 KB of shared memory per SM) holds one partial CTA of either shape and
+    precision; the H200 (228 KB) two of the one-group shape (bf16: 128 threads; f16: 256
+    threads held to 128 registers by the launch bound) and one of the two-group shape."""
+    for precision in ("bf16", "f16"):
+        one, two = (PartialConfig(head_groups=g, precision=precision) for g in (1, 2))
+        assert resident_ctas_per_sm(one, SM120_SMEM_PER_SM) == resident_ctas_per_sm(two, SM120_SMEM_PER_SM) == 1
+        assert resident_ctas_per_sm(one, H200_SMEM_PER_SM) == 2
+        assert resident_ctas_per_sm(two, H200_SMEM_PER_SM) == 1
+    assert PartialConfig(head_groups=1).max_registers == 128 and PartialConfig(head_groups=2).max_registers == 255
 
 
 def test_precision_defaults_and_availability():
-    """bf16 unless asked (by measurement: README "Precision"); the block-scaled form only
+    """f16 unless asked (by measurement: README "Precision"); the block-scaled form only
     where the hardware has it, refused elsewhere with the arch named."""
     for arch in ("sm_90a", "sm_120a", "sm_121a"):
-        assert resolve_precision(None, arch) == "bf16"
+        assert resolve_precision(None, arch) == "f16"
         assert resolve_precision("fp8", arch) == "fp8"
-    assert precisions_for("sm_120a") == precisions_for("sm_121a") == ("bf16", "fp8", "mxf8")
-    assert precisions_for("sm_90a") == ("bf16", "fp8")
+        assert resolve_precision("bf16", arch) == "bf16"
+    assert precisions_for("sm_120a") == precisions_for("sm_121a") == ("bf16", "f16", "fp8", "mxf8")
+    assert precisions_for("sm_90a") == ("bf16", "f16", "fp8")
     with pytest.raises(ValueError, match="'mxf8' is not available on sm_90a"):
         resolve_precision("mxf8", "sm_90a")
     for arch in ("sm_90a", "sm_120a"):
         counts = {p: sum(1 for v in variant_space(arch) if v.kind == "partial" and v.config.precision == p)
                   for p in precisions_for(arch)}
-        assert set(counts.values()) == {24}  # every precision serves every call shape (2 groups x 12)
+        # every precision serves every call shape (2 groups x 12); "f16" never splits two-group CTAs
+        assert counts == {p: 20 if p == "f16" else 24 for p in precisions_for(arch)}

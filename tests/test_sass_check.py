@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cute_kernels.sass_check import mma_loop_mix
+from cute_kernels.sass_check import mma_loop_mix, mma_loops
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -32,3 +32,32 @@ def test_mma_loop_mix_refuses_sass_without_mma_or_loop():
         mma_loop_mix(SASS.replace("HMMA.16816.F32.BF16", "FFMA"))
     with pytest.raises(ValueError, match="no loop"):
         mma_loop_mix(SASS.replace("@P0 BRA `(.L_x_0)", "NOP"))
+
+
+TWO_ROLES = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @P2 BRA `(.L_x_5) ;
+.L_x_3:
+        /*0020*/                   F2FP.F16.E4M3.UNPACK_B R8, R9 ;
+        /*0030*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/              @P0 BRA `(.L_x_3) ;
+        /*0060*/                   EXIT ;
+.L_x_5:
+.L_x_4:
+        /*0070*/                   LDSM.16.MT88.4 R8, [R3] ;
+        /*0080*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0090*/                   HMMA.16816.F32.BF16 R4, R8, R14, R4 ;
+        /*00a0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*00b0*/              @P1 BRA `(.L_x_4) ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_mma_loops_finds_each_role_loop_with_its_mma_kinds():
+    first, second = mma_loops(TWO_ROLES)
+    assert (first.instructions, first.mma, first.barriers) == (4, 1, 1)
+    assert first.mma_kinds == {"HMMA.16816.F32": 1}
+    assert (second.instructions, second.mma, second.shared_memory) == (5, 2, 1)
+    assert second.mma_kinds == {"HMMA.16816.F32.BF16": 2}
+    assert [m.instructions for m in mma_loops(SASS)] == [3]  # .L_x_1: the innermost loop with an MMA

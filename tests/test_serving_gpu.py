@@ -210,7 +210,7 @@ def test_flashinfer_adapter_conventions():
     assert (err[scale == 0] == 0).all() and (err[scale > 0] / scale[scale > 0]).max() <= OUT_REL_L2_MAX["bf16"]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "f16", "fp8"])
 def test_out_of_range_indices_are_never_read(precision):
     gen = torch.Generator().manual_seed(1)
     cache = make_cache(8, 64, device=DEV, gen=gen)

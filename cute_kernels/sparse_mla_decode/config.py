@@ -17,9 +17,15 @@ SLOT_BUFFERS = 3  # the partial kernel loads each chunk's indices two chunks ahe
 # consecutive rows start 20 banks apart: ldmatrix on the raw rows (the FP8 path reads K and V
 # straight from them) is then free of bank conflicts; 576 would put rows 2 apart on the same banks.
 RAW_ROW_STRIDE = 592
-PRECISIONS = ("bf16", "fp8", "mxf8")
+PRECISIONS = ("bf16", "f16", "fp8", "mxf8")
 BLOCK_SCALED_ARCHS = ("sm_120a", "sm_121a")  # the archs with the block-scaled MMA ("mxf8")
 FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 4 for the rope dims)
+MAX_REGISTERS_PER_THREAD = 255
+REGISTERS_PER_SM = 65536  # on every target (sm_90, sm_120, sm_121)
+# "f16" path: one warp per 64 columns of the QK width and of the output (7 nope tiles, the rope)
+F16_WARPS = D_QK // 64
+F16_S_ROW = 40  # floats per head row of a warp's partial S: 32 entries + 8 (conflict-free STS.64 / LDS.128)
+F16_P_ROW_BYTES = 80  # bytes per head row of P in f16 or bf16: 32 entries + 8 (conflict-free ldmatrix)
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,10 @@ class PartialConfig:
         instead of f32 partials.
     has_sink: apply attn_sink in the epilogue (final_output only; else the merge does it).
     precision: the compute path. "bf16": the FP8 nope values are dequantized to a bf16 tile
-        and every MMA is bf16. "fp8": QK and PV over the nope dims run as e4m3 MMAs straight
+        and every MMA is bf16. "f16": no dequantized tile; warp w owns 64 columns of QK and
+        of the output for every head of the CTA (nope tile w, the rope for the last warp),
+        converts the cache's e4m3 bytes to f16 in registers (exact) and applies the scales
+        to S and to P instead; the softmax is spread over all threads (``partial_f16.py``). "fp8": QK and PV over the nope dims run as e4m3 MMAs straight
         on the gathered cache bytes (no dequantization; Q as two e4m3 terms, the
         probabilities requantized to e4m3 with the value scales folded in), the rope dims in
         bf16 (``partial_fp8.py``). "mxf8": the same with the SM120 block-scaled MMA for QK
@@ -50,7 +59,7 @@ class PartialConfig:
     has_extra_topk_length: bool = False
     final_output: bool = False
     has_sink: bool = False
-    precision: str = "bf16"
+    precision: str = "f16"
     head_groups: int = 1
     heads_per_group: int = 16
     block_n: int = 32
@@ -63,11 +72,26 @@ class PartialConfig:
 
     @property
     def num_warps(self) -> int:
+        if self.precision == "f16":
+            return F16_WARPS
         return self.warps_per_group * self.head_groups
 
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """The launch bound (``.minnctapersm``): the "f16" one-group kernel is held to 128
+        registers so that two of its 256-thread CTAs fit an SM's registers (the H200 then
+        runs 16 warps per SM; on sm_120 shared memory allows one CTA anyway); every other
+        kernel may use all 255."""
+        return 2 if self.precision == "f16" and self.head_groups == 1 else 1
+
+    @property
+    def max_registers(self) -> int:
+        """The most registers per thread ptxas may give this kernel under its launch bound."""
+        return min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // (self.min_ctas_per_sm * self.num_threads))
 
     @property
     def stage_bytes(self) -> int:
@@ -80,6 +104,14 @@ class PartialConfig:
         return max(self.heads_per_cta * D_QK * 2, self.num_threads * FP8_Q_REGS * 4)
 
     def smem_bytes(self) -> int:
+        if self.precision == "f16":
+            hb = self.heads_per_cta
+            s_part = self.num_warps * hb * F16_S_ROW * 4
+            p_tiles = 2 * hb * F16_P_ROW_BYTES  # P in f16 (nope) and bf16 (rope)
+            per_head = hb * 4 * (2 + F16_WARPS)  # corrections, gates, Q amax per warp
+            raw = self.num_stages * self.stage_bytes
+            slots = SLOT_BUFFERS * (self.block_n * 4 + 4)
+            return s_part + p_tiles + per_head + raw + slots + 1024
         if self.precision == "bf16":
             tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
         else:
@@ -127,6 +159,11 @@ class MergeConfig:
 
     has_sink: bool = False
     num_threads: int = 128  # each thread owns D_V / num_threads output dims
+    # splits whose partial outputs a thread loads at once (4 registers each), the first batch
+    # together with the lse values: one round trip for a call with up to this many splits.
+    # 32 registers' worth (8) keeps many merge CTAs per SM for calls with many tokens x heads
+    # and few splits; 32 serves the many-split calls of few tokens (MERGE_BATCHES)
+    split_batch: int = 8
 
     @property
     def max_splits(self) -> int:
@@ -135,12 +172,23 @@ class MergeConfig:
 
     def smem_bytes(self) -> int:
         # one float per warp (the block-wide max over splits) and one weight per split
-        return 4 * (self.num_threads // 32) + 4 * self.num_threads
+        return 8 * (self.num_threads // 32) + 4 * self.num_threads  # + one float per warp: the weight sums
 
     def check(self) -> None:
         if D_QK % self.num_threads != 0 or (D_QK // self.num_threads) % 4 != 0:
             raise ValueError(f"num_threads {self.num_threads} must split {D_QK} into groups of 4")
+        if self.split_batch not in MERGE_BATCHES:
+            raise ValueError(f"split_batch {self.split_batch} must be one of {MERGE_BATCHES}")
 
     @property
     def name(self) -> str:
-        return f"sparse_mla_merge_t{self.num_threads}_sink{int(self.has_sink)}"
+        return f"sparse_mla_merge_t{self.num_threads}_b{self.split_batch}_sink{int(self.has_sink)}"
+
+
+MERGE_BATCHES = (8, 32)
+
+
+def merge_batch_for(num_splits: int) -> int:
+    """The merge kernel's split batch for a call with ``num_splits`` splits: the smallest
+    that takes every split in one round trip, else the largest."""
+    return next((b for b in MERGE_BATCHES if num_splits <= b), MERGE_BATCHES[-1])

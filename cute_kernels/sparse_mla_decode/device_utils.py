@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint8
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -15,6 +15,14 @@ LN_2 = math.log(2.0)
 def load_i32(addr: Int64) -> Int32:
     """Scalar int32 load from a global-memory byte address."""
     return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4), cute.make_layout(1))[0]
+
+
+@cute.jit
+def load_smem_u8(addr: Int32) -> Int32:
+    """One byte from a shared-memory address, zero-extended. (The DSL widens a Uint8 load
+    with a sign extension, LDS.S8: a UE8M0 scale byte of 128 or more came out negative.)"""
+    byte = cute.make_tensor(cute.make_ptr(Uint8, addr, cute.AddressSpace.smem, assumed_align=1), cute.make_layout(1))[0]
+    return Int32(byte) & 0xFF
 
 
 @cute.jit

@@ -101,11 +101,18 @@ class SparseMlaMergeKernel:
                           cute.AddressSpace.gmem, assumed_align=4),
             cute.make_layout(num_splits, stride=num_heads),
         )
+        o_base = o_part.toint() + (Int64(token) * num_splits * num_heads + head) * (D_V * 4) + tidx * (vec * 4)
+        o_split_stride = Int64(num_heads) * (D_V * 4)
+        # the first split_batch splits' partial outputs are loaded right away, together with
+        # the lse values: they do not depend on the weights, so one round trip serves both
+        rO = cute.make_rmem_tensor(self.cfg.split_batch * vec, Float32)
+        self._load_batch(rO, o_base, o_split_stride, Int32(0), num_splits)
         # pass 1: thread s loads split s's lse (num_splits <= num_threads, see splits.py), the
         # block max; then thread s keeps its split's weight 2**(lse_s - m) in shared memory
         nwarps = self.cfg.num_threads // 32
         smem = SmemAllocator()
         sMax = smem.allocate_tensor(Float32, cute.make_layout(nwarps), byte_alignment=16)
+        sSum = smem.allocate_tensor(Float32, cute.make_layout(nwarps), byte_alignment=16)
         sW = smem.allocate_tensor(Float32, cute.make_layout(self.cfg.num_threads), byte_alignment=16)
         lse_s = -Float32.inf
         if tidx < num_splits:
@@ -122,28 +129,27 @@ class SparseMlaMergeKernel:
         m_base = m
         if m == -Float32.inf:
             m_base = Float32(0.0)
-        sW[tidx] = cute.math.exp2(lse_s - m_base, fastmath=True)  # 0 for an empty or absent split
+        w_s = cute.math.exp2(lse_s - m_base, fastmath=True)  # 0 for an empty or absent split
+        sW[tidx] = w_s
+        for offset in (16, 8, 4, 2, 1):
+            w_s = w_s + cute.arch.shuffle_sync_bfly(w_s, offset=offset, mask=-1, mask_and_clamp=31)
+        if tidx % 32 == 0:
+            sSum[tidx // 32] = w_s
         cute.arch.sync_threads()
 
-        # pass 2: the weighted sum; the weights come from shared memory, so the loads of
-        # several splits' partial outputs are independent and in flight together
+        # pass 2: the weighted sum (the first batch already in registers, any further batch
+        # loaded together)
         acc = cute.make_rmem_tensor(vec, Float32)
         acc.fill(0.0)
         lse_out = Float32.inf
         if m != -Float32.inf:
-            total = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=8):
-                w = sW[s]
-                total = total + w
-                gO = cute.make_tensor(
-                    cute.make_ptr(
-                        Float32,
-                        o_part.toint() + ((Int64(token) * num_splits + s) * num_heads + head) * (D_V * 4) + tidx * (vec * 4),
-                        cute.AddressSpace.gmem, assumed_align=16,
-                    ),
-                    cute.make_layout(vec),
-                )
-                acc.store(acc.load() + gO.load() * w)
+            total = sSum[0]
+            for w in cutlass.range_constexpr(1, nwarps):
+                total = total + sSum[w]
+            self._accumulate_batch(acc, rO, sW, Int32(0), num_splits)
+            for b0 in cutlass.range(self.cfg.split_batch, num_splits, self.cfg.split_batch, unroll=1):
+                self._load_batch(rO, o_base, o_split_stride, b0, num_splits)
+                self._accumulate_batch(acc, rO, sW, b0, num_splits)
             lse2 = m + cute.math.log2(total, fastmath=False)
             gate = 1.0 / total
             if const_expr(self.cfg.has_sink):
@@ -162,3 +168,26 @@ class SparseMlaMergeKernel:
         gOut.store(acc.load().to(BFloat16))
         if tidx == 0:
             store_f32(lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_out)
+
+    @cute.jit
+    def _load_batch(self, rO: cute.Tensor, o_base: Int64, o_split_stride: Int64, b0: Int32, num_splits: Int32):
+        """This thread's ``vec`` values of splits b0 .. b0 + split_batch - 1 (those that exist)."""
+        vec = self.vec
+        for k in cutlass.range_constexpr(self.cfg.split_batch):
+            if b0 + k < num_splits:
+                gO = cute.make_tensor(
+                    cute.make_ptr(Float32, o_base + Int64(b0 + k) * o_split_stride, cute.AddressSpace.gmem,
+                                  assumed_align=16),
+                    cute.make_layout(vec),
+                )
+                cute.autovec_copy(gO, cute.make_tensor(rO.iterator + k * vec, cute.make_layout(vec)))
+
+    @cute.jit
+    def _accumulate_batch(self, acc: cute.Tensor, rO: cute.Tensor, sW: cute.Tensor, b0: Int32, num_splits: Int32):
+        """acc += w_s O_s over the batch of splits from b0 held in ``rO``."""
+        vec = self.vec
+        for k in cutlass.range_constexpr(self.cfg.split_batch):
+            if b0 + k < num_splits:
+                w = sW[b0 + k]
+                for i in cutlass.range_constexpr(vec):
+                    acc[i] = acc[i] + rO[k * vec + i] * w

@@ -67,7 +67,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from .config import RAW_ROW_STRIDE, SLOT_BUFFERS, PartialConfig
-from .device_utils import LN_2, load_f32, load_i32, sink_gate, store_f32
+from .device_utils import LN_2, load_f32, load_i32, load_smem_u8, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
 
 
@@ -197,9 +197,13 @@ class SparseMlaPartialKernel:
             grid=(num_tokens, head_blocks, num_splits),
             block=(self.nthr, 1, 1),
             stream=stream,
-            # .minnctapersm 1: ptxas may use every register (without it, it capped the
-            # one-group block-scaled FP8 kernel at 168 registers and spilled)
-            min_blocks_per_mp=1,
+            # .minnctapersm: 1 lets ptxas use every register (without it, it capped the
+            # one-group block-scaled FP8 kernel at 168 registers and spilled); see
+            # PartialConfig.min_ctas_per_sm
+            min_blocks_per_mp=self.cfg.min_ctas_per_sm,
+            # several CTAs per SM: ask for the largest shared-memory carveout (given, the DSL
+            # also need not ask a GPU for the SM's shared memory at compile time)
+            preferred_smem_carveout=100 if self.cfg.min_ctas_per_sm > 1 else None,
         )
 
     # ------------------------------------------------------------------ kernel
@@ -269,6 +273,8 @@ class SparseMlaPartialKernel:
              extra_len),
         )
         sMask, sS, c_begin, c_end = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end
+        # the epilogue's addresses, taken at the top level (see _gather_context)
+        sink_addr, lse_part_addr, lse_addr = attn_sink.toint(), lse_part.toint(), lse.toint()
         self._stage_q(q, q_stride_t, q_stride_h, num_heads, token, head0, sQ, tiled_store, tidx)
         self._start_pipeline(ctx, c_begin, c_end)
 
@@ -413,7 +419,7 @@ class SparseMlaPartialKernel:
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
             row = tOcO_mn[r, 0][0]
             if ghead0 + row < num_heads:
-                gate, lse2 = self._gate_and_lse2(total, row_max[r], attn_sink, ghead0 + row)
+                gate, lse2 = self._gate_and_lse2(total, row_max[r], sink_addr, ghead0 + row)
                 for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                     if const_expr(final):
                         tOgO_mn[r, j] = BFloat16(acc_O_mn[r, j] * gate)
@@ -422,44 +428,54 @@ class SparseMlaPartialKernel:
                 if wq == 0:  # one warp per group writes its heads' lse
                     if lane % 4 == 0:
                         self._store_lse(total, lse2, token, split, num_splits, num_heads, ghead0 + row,
-                                        lse_part, lse, lse_stride_t, lse_stride_h)
+                                        lse_part_addr, lse_addr, lse_stride_t, lse_stride_h)
 
     # ------------------------------------------------------------------ epilogue pieces
     @cute.jit
-    def _gate_and_lse2(self, total: Float32, row_max: Float32, attn_sink: cute.Pointer, head: Int32):
+    def _gate_and_lse2(self, total: Float32, row_max: Float32, sink_addr: Int64, head: Int32):
         """(factor for the accumulated output row, lse in log2 units) of a head whose
         probabilities sum to ``total`` after the running max ``row_max``. An empty row (no
-        valid entry) has total 0: factor 0 and lse -inf. The sink is applied in final mode."""
+        valid entry) has total 0: factor 0 and lse -inf. The sink (``sink_addr``: attn_sink's
+        address) is applied in final mode."""
         gate = Float32(0.0)
         lse2 = -Float32.inf
         if total > 0.0:
             gate = 1.0 / total
             lse2 = row_max + cute.math.log2(total, fastmath=False)
             if const_expr(self.cfg.final_output and self.cfg.has_sink):
-                gate = gate * sink_gate(load_f32(attn_sink.toint() + Int64(head) * 4), lse2)
+                gate = gate * sink_gate(load_f32(sink_addr + Int64(head) * 4), lse2)
         return gate, lse2
 
     @cute.jit
     def _store_lse(self, total: Float32, lse2: Float32, token: Int32, split: Int32, num_splits: Int32,
-                   num_heads: Int32, head: Int32, lse_part: cute.Pointer, lse: cute.Pointer,
+                   num_heads: Int32, head: Int32, lse_part_addr: Int64, lse_addr: Int64,
                    lse_stride_t: Int64, lse_stride_h: Int64):
         """Write a head's lse: natural log (+inf for an empty row) in final mode, the split's
-        log2 lse in partial mode."""
+        log2 lse in partial mode (``lse_part_addr`` / ``lse_addr``: the tensors' addresses)."""
         if const_expr(self.cfg.final_output):
             lse_nat = Float32.inf
             if total > 0.0:
                 lse_nat = lse2 * LN_2
-            store_f32(lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_nat)
+            store_f32(lse_addr + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_nat)
         else:
-            store_f32(lse_part.toint() + ((Int64(token) * num_splits + split) * num_heads + head) * 4, lse2)
+            store_f32(lse_part_addr + ((Int64(token) * num_splits + split) * num_heads + head) * 4, lse2)
 
     # ------------------------------------------------------------------ prologue pieces
+    def _allocate_s_exchange(self, smem):
+        """The S exchange: per head group, each warp's partial S [16, block_n] (f32)."""
+        hg, bn = self.hg, self.bn
+        return smem.allocate_tensor(
+            Float32,
+            cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
+            byte_alignment=16,
+        )
+
     def _gather_context(self, smem, tidx, token, split, chunks_per_split, main: tuple, extra: tuple):
         """Allocate the gather's shared memory (raw stages, the S exchange, indices, validity
         masks) and gather what ``_issue_indices`` / ``_issue_rows`` read about the two lists;
         also this split's chunk range [c_begin, c_end). ``main`` / ``extra``: (cache, page,
         block stride, num slots, indices, indices stride, topk, length pointer)."""
-        bn, hg = self.bn, self.hg
+        bn = self.bn
         m_cache, m_page, m_stride, m_slots, m_idx, m_idx_stride, m_topk, m_len = main
         e_cache, e_page, e_stride, e_slots, e_idx, e_idx_stride, e_topk, e_len = extra
         n_main_chunks = (m_topk + bn - 1) // bn
@@ -467,11 +483,7 @@ class SparseMlaPartialKernel:
         c_begin = split * chunks_per_split
         m_limit, e_limit = self._length_limits(m_len, m_topk, e_len, e_topk, token)
         sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
-        sS = smem.allocate_tensor(
-            Float32,
-            cute.make_layout((hg, bn, self.wpg, self.groups), stride=(bn, 1, hg * bn, self.wpg * hg * bn)),
-            byte_alignment=16,
-        )
+        sS = self._allocate_s_exchange(smem)
         sMask = smem.allocate_tensor(Int32, cute.make_layout(SLOT_BUFFERS), byte_alignment=16)
         sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
         return SimpleNamespace(
@@ -688,11 +700,8 @@ class SparseMlaPartialKernel:
                         cute.make_ptr(Float8E4M3FN, stage_base + row * RAW_ROW_STRIDE + col, cute.AddressSpace.smem, assumed_align=16),
                         cute.make_layout(DEQUANT_VALUES),
                     )
-                    sb = cute.make_tensor(
-                        cute.make_ptr(Uint8, stage_base + self.scale_off + row * SCALE_BYTES + col // TILE, cute.AddressSpace.smem, assumed_align=1),
-                        cute.make_layout(1),
-                    )[0]
-                    scale = _bits_to_f32(Int32(sb) << 23)
+                    sb = load_smem_u8(stage_base + self.scale_off + row * SCALE_BYTES + col // TILE)
+                    scale = _bits_to_f32(sb << 23)
                     if sb == 0:
                         scale = _bits_to_f32(Int32(1 << 22))  # 2**-127 is subnormal
                     dst.store((f8.load().to(Float32) * scale).to(BFloat16))

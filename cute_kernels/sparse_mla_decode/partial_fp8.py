@@ -183,6 +183,8 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
              extra_len),
         )
         sMask, sS, c_begin, c_end, raw_base = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end, ctx.raw_base
+        # the epilogue's addresses, taken at the top level (see _gather_context)
+        sink_addr, lse_part_addr, lse_addr = attn_sink.toint(), lse_part.toint(), lse.toint()
         self._stage_q(q, q_stride_t, q_stride_h, num_heads, token, head0, sQ, tiled_store, tidx)
         self._start_pipeline(ctx, c_begin, c_end)  # waits for Q and the first indices
 
@@ -335,7 +337,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
             head = ghead0 + g + 8 * r
             if head < num_heads:
-                gate, lse2 = self._gate_and_lse2(total, row_max[r], attn_sink, head)
+                gate, lse2 = self._gate_and_lse2(total, row_max[r], sink_addr, head)
                 out_ctx = (token, split, num_splits, num_heads, head, o_part, out, out_stride_t, out_stride_h)
                 self._store_nope_unit(acc_O, 0, r, gate * scale[0], wq * UNIT, qd, out_ctx)
                 if has_unit1:
@@ -344,7 +346,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
                 if wq == 0:
                     if qd == 0:
                         self._store_lse(total, lse2, token, split, num_splits, num_heads, head,
-                                        lse_part, lse, lse_stride_t, lse_stride_h)
+                                        lse_part_addr, lse_addr, lse_stride_t, lse_stride_h)
 
     # ------------------------------------------------------------------ setup pieces
     @cute.jit

@@ -145,3 +145,33 @@ def f32_from_bits(bits: Int32) -> Float32:
 def f32_bits(x: Float32) -> Int32:
     """The bits of a Float32 as an Int32."""
     return Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value()))
+
+
+def mma_f16(c: list, a: list, b: list) -> list:
+    """d = a * b + c, ``mma.sync.m16n8k16`` f16 x f16 -> f32."""
+    return _mma_m16n8("m16n8k16.row.col.f32.f16.f16.f32", c, a, b)
+
+
+def e4m3x4_to_f16x2(x: Int32, selector: int = 0x3210) -> list:
+    """The four e4m3 bytes of ``x``, after ``prmt.b32`` with ``selector`` (0x3210: as they
+    are), as two f16x2 registers [bytes 0, 1], [bytes 2, 3] (``cvt.rn.f16x2.e4m3x2``: exact,
+    every e4m3 value is an f16 value)."""
+    i32 = Int32.mlir_type
+    lo, hi = _asm(
+        [i32, i32], [Int32(x)],
+        "{\n.reg .b32 t;\n.reg .b16 l, h;\n"
+        f"prmt.b32 t, $2, 0, {selector:#x};\nmov.b32 {{l, h}}, t;\n"
+        "cvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n}",
+        "=r,=r,r",
+    )
+    return [Int32(lo), Int32(hi)]
+
+
+def pack_f16x2(x0: Float32, x1: Float32) -> Int32:
+    """Two floats rounded to f16 (nearest even; subnormals kept, beyond range to inf), x0 in the low half."""
+    return Int32(_asm([Int32.mlir_type], [Float32(x1), Float32(x0)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+def mul_f16x2(a: Int32, b: Int32) -> Int32:
+    """Element-wise product of two f16x2 registers (``mul.rn.f16x2``)."""
+    return Int32(_asm([Int32.mlir_type], [Int32(a), Int32(b)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r"))

@@ -1,0 +1,587 @@
+"""Split-K partial kernel, "f16" form (``PartialConfig.precision == "f16"``): column-sliced
+warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
+
+Same work split, gather pipeline (``partial.py``: cp.async rows one chunk ahead, indices two
+ahead, invalid rows zero-filled) and outputs as the bf16 kernel; the compute differs. The CTA
+covers 16 or 32 heads (``head_groups`` m16 tiles) with 8 warps, and warp w owns 64 columns of
+the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
+per entry) or the 64 rope dims (w = 7). So each gathered byte is turned into an MMA operand by
+exactly one warp, once for QK and once for PV, and a 32-head CTA multiplies each operand
+register into two m16 tiles. There is no dequantized tile in shared memory.
+
+Per CTA (once): Q's nope dims of head h are scaled by 2**(14 - E_h), E_h the exponent of the
+head's largest |q| (so |q| < 2**15 fits f16 exactly: f16 has more mantissa than bf16) and
+held in registers as f16 A fragments; the rope warp keeps Q's rope dims as bf16.
+
+Per chunk of 32 entries:
+1. QK, warp w < 7: per 8-entry n tile one ``ldmatrix.x4`` of the raw rows (lane 8i + r: row
+   r, bytes 16i..16i+15 of the tile) gives each thread bytes 4q..4q+3 of each 16-column
+   group; ``cvt.rn.f16x2.e4m3x2`` turns them into the f16 B fragment of k order {2q, 2q+1,
+   8+2q, 9+2q} (Q's A fragments are loaded in the same column order), 4 f16 MMAs per m16
+   tile, then times the entry's 2**(b - 127). Warp 7: bf16 MMAs on the raw bf16 rope bytes.
+   Each warp writes its partial S [heads, 32] (f32) to shared memory.
+2. Softmax, all 256 threads: thread t sums the 8 partials of 2 or 4 consecutive entries of
+   one head (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)), masks invalid
+   entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (shuffle
+   max; the row sum stays per thread until the end). It writes P in f16 and in bf16 and the
+   head's rescale factor to shared memory.
+3. PV, warp w < 7: P' = P * 2**(b - R_w) (f16, ``mul.rn.f16x2`` on the ``ldmatrix``-loaded
+   P fragments), R_w the running maximum of tile w's scale byte over the valid entries of
+   the split so far, so P' <= 1; the value fragments are the raw rows by
+   ``ldmatrix.x4.trans`` (rows 2q, 2q+1 of each 8-entry group, two adjacent columns) with one
+   byte permute into (row 2q, row 2q+1) pairs per column: even and odd columns of each
+   16-column group are two MMAs, and each thread ends with 4 adjacent output columns. The
+   accumulator is in units of 2**(R_w - 127), rescaled when R_w grows. Warp 7: P in bf16
+   times the raw bf16 rope rows.
+Invalid entries have zero rows and probability 0. Three CTA barriers per chunk: the stage
+landed (and the previous PV is done), the partial S written, P written.
+
+Precision: K, V and the scales are exact (every e4m3 value is an f16 value; the scales are
+applied in f32 to S and as powers of two to P); Q is exact unless a component is below
+2**-24 of its head's largest (f16 subnormal); P is rounded to f16 (11 bits; bf16: 8). Limit:
+an entry whose scale byte in a tile is more than 24 below the largest of that tile among the
+split's valid entries has P' below f16's smallest subnormal and counts as 0 in that tile's
+output columns (a value scale 2**24 times smaller than its neighbours'; DSV4's per-token
+scales of normalized latents span a few binades).
+
+The two roles run in two separate code paths (one branch on the warp index, around the whole
+loop): a per-chunk branch would have ptxas predicate both sides into every warp's stream
+(seen on the FP8 path).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
+from cutlass.memory import SmemAllocator
+
+from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_WARPS, RAW_ROW_STRIDE, SLOT_BUFFERS
+from .device_utils import load_smem_u8
+from .layout import D_NOPE, D_QK, NUM_TILES, SCALE_BYTES
+from .partial import SparseMlaPartialKernel
+from .warp_ops import (
+    e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_bf16x2, pack_f16x2,
+)
+
+UNIT = 64  # columns per warp: one nope scale tile, or the rope dims
+ROPE_WARP = NUM_TILES  # warp 7
+Q_F16_EXP = 14  # Q's nope dims times 2**(14 - E): the head's largest lands in [2**14, 2**15)
+ROPE_BYTE0 = D_NOPE  # the rope dims' first byte in a row (bf16 from there)
+# prmt selector turning ldmatrix.trans bytes (row 2q: c, c+1; row 2q+1: c, c+1) into
+# (row 2q, row 2q+1) pairs of column c, then of column c + 1
+PAIR_COLUMNS = 0x3120
+
+
+def _smem_vec(dtype, addr, n):
+    """``n`` elements at a shared-memory address aligned to their total size."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=n * dtype.width // 8),
+                            cute.make_layout(n))
+
+
+def _smem_scalar(dtype, addr):
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=dtype.width // 8),
+                            cute.make_layout(1))
+
+
+@cute.jit
+def _pow2_f32(e: Int32) -> Float32:
+    """2**e as f32 for e <= 127 (0 below 2**-126: only ever used where that is negligible)."""
+    return f32_from_bits(cutlass.max(e + 127, 0) << 23)
+
+
+@cute.jit
+def _scale_of_byte(b: Int32) -> Float32:
+    """The UE8M0 scale 2**(b - 127) (b = 0: 2**-127, a subnormal f32)."""
+    s = f32_from_bits(b << 23)
+    if b == 0:
+        s = f32_from_bits(Int32(1 << 22))
+    return s
+
+
+class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
+    """The "f16"-form partial kernel for one ``PartialConfig``."""
+
+    ZERO_FILL_INVALID_ROWS = True  # the MMAs read the raw rows
+
+    def _allocate_s_exchange(self, smem):
+        """Each warp's partial S for all heads of the CTA: [warp][head][F16_S_ROW] f32."""
+        return smem.allocate_tensor(Float32, cute.make_layout(F16_WARPS * self.hb * F16_S_ROW), byte_alignment=128)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q: cute.Pointer,
+        q_stride_t: Int64,
+        q_stride_h: Int64,
+        num_heads: Int32,
+        main_cache: cute.Pointer,
+        main_page: Int32,
+        main_block_stride: Int64,
+        main_num_slots: Int32,
+        main_idx: cute.Pointer,
+        main_idx_stride: Int64,
+        main_topk: Int32,
+        main_len: cute.Pointer,
+        extra_cache: cute.Pointer,
+        extra_page: Int32,
+        extra_block_stride: Int64,
+        extra_num_slots: Int32,
+        extra_idx: cute.Pointer,
+        extra_idx_stride: Int64,
+        extra_topk: Int32,
+        extra_len: cute.Pointer,
+        sm_scale_log2: Float32,
+        chunks_per_split: Int32,
+        num_splits: Int32,
+        o_part: cute.Pointer,
+        lse_part: cute.Pointer,
+        out: cute.Pointer,
+        out_stride_t: Int64,
+        out_stride_h: Int64,
+        lse: cute.Pointer,
+        lse_stride_t: Int64,
+        lse_stride_h: Int64,
+        attn_sink: cute.Pointer,
+        kv_layout: cute.ComposedLayout,
+        q_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        tiled_store: cute.TiledCopy,
+        tiled_dequant: cute.TiledCopy,
+    ):
+        hb, mt = self.hb, self.groups
+        if const_expr(not self.cfg.final_output):
+            cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        token, head_block, split = cute.arch.block_idx()
+        warp_id = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        g = lane // 4
+        qd = lane % 4
+        head0 = head_block * hb
+
+        smem = SmemAllocator()
+        sP16 = smem.allocate_tensor(Uint8, cute.make_layout(hb * F16_P_ROW_BYTES), byte_alignment=128)
+        sPbf = smem.allocate_tensor(Uint8, cute.make_layout(hb * F16_P_ROW_BYTES), byte_alignment=128)
+        sCorr = smem.allocate_tensor(Float32, cute.make_layout(hb), byte_alignment=16)
+        sGate = smem.allocate_tensor(Float32, cute.make_layout(hb), byte_alignment=16)
+        sAmax = smem.allocate_tensor(Int32, cute.make_layout((hb, F16_WARPS), stride=(1, hb)), byte_alignment=16)
+        ctx = self._gather_context(
+            smem, tidx, token, split, chunks_per_split,
+            (main_cache, main_page, main_block_stride, main_num_slots, main_idx, main_idx_stride, main_topk, main_len),
+            (extra_cache, extra_page, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride, extra_topk,
+             extra_len),
+        )
+        c_begin, c_end = ctx.c_begin, ctx.c_end
+        # output addresses taken at the top level (see _gather_context)
+        o_part_addr, out_addr = o_part.toint(), out.toint()
+        sink_addr, lse_part_addr, lse_addr = attn_sink.toint(), lse_part.toint(), lse.toint()
+        # addresses at the top level (see _gather_context)
+        bases = SimpleNamespace(p16=sP16.iterator.toint(), pbf=sPbf.iterator.toint(), s=ctx.sS.iterator.toint(),
+                                corr=sCorr.iterator.toint(), gate=sGate.iterator.toint())
+
+        # ---- Q: every warp loads its 64 columns as bf16 pairs; pair A / B of (m tile, row
+        # half r, k16 step i) are the columns of A registers a0/a1 and a2/a3: nope warps
+        # 4q, 4q+1 / 4q+2, 4q+3 (the order of the e4m3 bytes ldmatrix gives), the rope warp
+        # 2q, 2q+1 / 8+2q, 9+2q (bf16's own order)
+        qraw = cute.make_rmem_tensor(mt * 16, Int32)  # index ((m * 4 + i) * 2 + r) * 2 + pair
+        off_a = 4 * qd
+        off_b = 4 * qd + 2
+        if warp_id == ROPE_WARP:
+            off_a = 2 * qd
+            off_b = 2 * qd + 8
+        for m in cutlass.range_constexpr(mt):
+            for r in cutlass.range_constexpr(2):
+                head = head0 + 16 * m + g + 8 * r
+                row = q.toint() + (Int64(token) * q_stride_t + Int64(head) * q_stride_h + warp_id * UNIT) * 2
+                for i in cutlass.range_constexpr(4):
+                    for pair in cutlass.range_constexpr(2):
+                        col = 16 * i + (off_a if pair == 0 else off_b)
+                        v = Int32(0)
+                        if head < num_heads:
+                            v = cute.make_tensor(cute.make_ptr(Int32, row + Int64(col) * 2, cute.AddressSpace.gmem,
+                                                               assumed_align=4), cute.make_layout(1))[0]
+                        qraw[((m * 4 + i) * 2 + r) * 2 + pair] = v
+
+        self._start_pipeline(ctx, c_begin, c_end)
+
+        # per-head largest |q| of each warp's columns (as f32 bits), for the f16 scale of Q
+        for m in cutlass.range_constexpr(mt):
+            for r in cutlass.range_constexpr(2):
+                amax = Int32(0)
+                for i in cutlass.range_constexpr(4):
+                    for pair in cutlass.range_constexpr(2):
+                        v = qraw[((m * 4 + i) * 2 + r) * 2 + pair]
+                        amax = cutlass.max(amax, cutlass.max((v << 16) & 0x7FFFFFFF, v & 0x7FFF0000))
+                for off in (1, 2):
+                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=off, mask=-1, mask_and_clamp=31))
+                if qd == 0:
+                    sAmax[16 * m + g + 8 * r, warp_id] = amax
+        cute.arch.sync_threads()
+
+        if warp_id < ROPE_WARP:
+            self._nope_role(ctx, bases, qraw, sAmax, warp_id, lane, tidx, token, split, head0, num_heads,
+                            sm_scale_log2, c_begin, c_end, num_splits, o_part_addr, lse_part_addr, out_addr,
+                            out_stride_t, out_stride_h, lse_addr, lse_stride_t, lse_stride_h, sink_addr)
+        else:
+            self._rope_role(ctx, bases, qraw, sAmax, lane, tidx, token, split, head0, num_heads,
+                            sm_scale_log2, c_begin, c_end, num_splits, o_part_addr, lse_part_addr, out_addr,
+                            out_stride_t, out_stride_h, lse_addr, lse_stride_t, lse_stride_h, sink_addr)
+
+    # ------------------------------------------------------------------ the two roles
+    @cute.jit
+    def _nope_role(self, ctx, bases, qraw, sAmax, w, lane, tidx, token, split, head0, num_heads, sm_scale_log2,
+                   c_begin, c_end, num_splits, o_part, lse_part, out, out_stride_t, out_stride_h, lse,
+                   lse_stride_t, lse_stride_h, attn_sink):
+        """Warps 0..6: nope tile w of QK and of the output, and their share of the softmax."""
+        ctx, bases = self._role_copies(ctx, bases)
+        mt = self.groups
+        g = lane // 4
+        qd = lane % 4
+        # Q as f16 A fragments: index (m * 4 + i) * 4 + a
+        qf = cute.make_rmem_tensor(mt * 16, Int32)
+        for m in cutlass.range_constexpr(mt):
+            for r in cutlass.range_constexpr(2):
+                qscale = _pow2_f32(Q_F16_EXP - self._head_exponent(sAmax, 16 * m + g + 8 * r))
+                for i in cutlass.range_constexpr(4):
+                    for pair in cutlass.range_constexpr(2):
+                        qbits = qraw[((m * 4 + i) * 2 + r) * 2 + pair]
+                        qf[(m * 4 + i) * 4 + 2 * pair + r] = pack_f16x2(f32_from_bits(qbits << 16) * qscale,
+                                                                        f32_from_bits(qbits & -65536) * qscale)
+        sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
+        acc_O = cute.make_rmem_tensor(mt * 32, Float32)  # index ((m * 4 + blk) * 2 + parity) * 4 + c
+        acc_O.fill(0.0)
+        r_byte = cute.make_rmem_tensor(1, Int32)  # R_w: running max of this tile's scale byte
+        r_byte.fill(0)
+        sbytes = cute.make_rmem_tensor(8, Int32)  # this thread's entries 8 nb + 2 q + i at 2 nb + i
+        k_row = (lane % 8) * RAW_ROW_STRIDE + (lane // 8) * 16 + w * UNIT  # ldmatrix row of QK
+        v_row = lane * RAW_ROW_STRIDE + w * UNIT  # ldmatrix.trans row of PV
+        for c in cutlass.range(c_begin, c_end, 1, unroll=1):
+            step = c - c_begin
+            buf = step % SLOT_BUFFERS
+            self._next_chunk(ctx, c, c_end, step)
+            stage_base = ctx.raw_base + (step % 2) * self.stage_bytes
+            valid_rows = ctx.sMask[buf]
+            scale_base = stage_base + self.scale_off
+            for nb in cutlass.range_constexpr(4):
+                for i in cutlass.range_constexpr(2):
+                    sbytes[2 * nb + i] = load_smem_u8(scale_base + (8 * nb + 2 * qd + i) * SCALE_BYTES + w)
+            mine = load_smem_u8(scale_base + lane * SCALE_BYTES + w)
+            if (valid_rows >> lane) & 1 == 0:
+                mine = Int32(0)
+            r_old = r_byte[0]
+            r_new = cutlass.max(r_old, self._warp_max(mine))
+            r_byte[0] = r_new
+
+            # S_w = Q_w K_w^T times each entry's scale
+            for nb in cutlass.range_constexpr(4):
+                kb = ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE, trans=False)
+                b = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
+                kf = [_scale_of_byte(sbytes[2 * nb + i]) for i in range(2)]
+                for m in cutlass.range_constexpr(mt):
+                    d = [Float32(0.0)] * 4
+                    for i in cutlass.range_constexpr(4):
+                        d = mma_f16(d, [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[i])
+                    self._store_s_part(bases, w, m, nb, lane, [d[0] * kf[0], d[1] * kf[1], d[2] * kf[0],
+                                                               d[3] * kf[1]])
+            cute.arch.sync_threads()
+            self._softmax_step(sm, bases, valid_rows, tidx)
+            cute.arch.sync_threads()
+
+            # O_w = O_w * correction * 2**(R_old - R_new) + P' V_w
+            ratio = _pow2_f32(r_old - r_new)
+            for m in cutlass.range_constexpr(mt):
+                for r in cutlass.range_constexpr(2):
+                    fo = _smem_scalar(Float32, bases.corr + (16 * m + g + 8 * r) * 4)[0] * ratio
+                    for k in cutlass.range_constexpr(16):
+                        idx = m * 32 + 4 * (k // 2) + 2 * r + k % 2
+                        acc_O[idx] = acc_O[idx] * fo
+            # P' scale pairs: k16 step s, entries 16 s + 2 q + {0, 1} (n tile 2 s) and
+            # 16 s + 8 + 2 q + {0, 1} (n tile 2 s + 1)
+            pfac = [pack_f16x2(_pow2_f32(sbytes[2 * nt] - r_new), _pow2_f32(sbytes[2 * nt + 1] - r_new))
+                    for nt in range(4)]
+            pa = []
+            for m in cutlass.range_constexpr(mt):
+                for s in cutlass.range_constexpr(2):
+                    pfr = self._load_p(bases.p16, m, s, lane)
+                    pa.append([mul_f16x2(pfr[0], pfac[2 * s]), mul_f16x2(pfr[1], pfac[2 * s]),
+                               mul_f16x2(pfr[2], pfac[2 * s + 1]), mul_f16x2(pfr[3], pfac[2 * s + 1])])
+            for blk in cutlass.range_constexpr(4):
+                vfrag = ldsm_x4(stage_base + v_row + 16 * blk, trans=True)  # entries 0-7, 8-15, 16-23, 24-31
+                bv = [e4m3x4_to_f16x2(vfrag[k], PAIR_COLUMNS) for k in range(4)]  # [even column, odd column]
+                for parity in cutlass.range_constexpr(2):
+                    for m in cutlass.range_constexpr(mt):
+                        base = ((m * 4 + blk) * 2 + parity) * 4
+                        d = [acc_O[base + k] for k in range(4)]
+                        for s in cutlass.range_constexpr(2):
+                            d = mma_f16(d, pa[m * 2 + s], [bv[2 * s][parity], bv[2 * s + 1][parity]])
+                        for k in cutlass.range_constexpr(4):
+                            acc_O[base + k] = d[k]
+
+        self._finish_softmax(sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
+                             lse_stride_t, lse_stride_h, attn_sink)
+        self._store_nope_outputs(acc_O, _scale_of_byte(r_byte[0]), bases, w, lane, token, split, head0,
+                                 num_heads, num_splits, o_part, out, out_stride_t, out_stride_h)
+
+    @cute.jit
+    def _rope_role(self, ctx, bases, qraw, sAmax, lane, tidx, token, split, head0, num_heads, sm_scale_log2,
+                   c_begin, c_end, num_splits, o_part, lse_part, out, out_stride_t, out_stride_h, lse,
+                   lse_stride_t, lse_stride_h, attn_sink):
+        """Warp 7: the 64 rope dims of QK and of the output (bf16), and its share of the softmax."""
+        ctx, bases = self._role_copies(ctx, bases)
+        mt = self.groups
+        g = lane // 4
+        sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
+        acc_O = cute.make_rmem_tensor(mt * 32, Float32)  # index (m * 8 + n) * 4 + c
+        acc_O.fill(0.0)
+        # ldmatrix rows: QK lane 8 i + r -> entry r, rope bytes 16 i.. (k16 steps 2 x, 2 x + 1
+        # per x4); PV lane l -> entry l
+        k_row = (lane % 8) * RAW_ROW_STRIDE + ROPE_BYTE0 + (lane // 8) * 16
+        v_row = lane * RAW_ROW_STRIDE + ROPE_BYTE0
+        for c in cutlass.range(c_begin, c_end, 1, unroll=1):
+            step = c - c_begin
+            buf = step % SLOT_BUFFERS
+            self._next_chunk(ctx, c, c_end, step)
+            stage_base = ctx.raw_base + (step % 2) * self.stage_bytes
+            valid_rows = ctx.sMask[buf]
+            for nb in cutlass.range_constexpr(4):
+                kb = []
+                for x in cutlass.range_constexpr(2):
+                    kb += ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE + 64 * x, trans=False)
+                for m in cutlass.range_constexpr(mt):
+                    d = [Float32(0.0)] * 4
+                    for i in cutlass.range_constexpr(4):
+                        a = [qraw[((m * 4 + i) * 2 + (k % 2)) * 2 + k // 2] for k in range(4)]
+                        d = mma_bf16(d, a, kb[2 * i:2 * i + 2])
+                    self._store_s_part(bases, ROPE_WARP, m, nb, lane, d)
+            cute.arch.sync_threads()
+            self._softmax_step(sm, bases, valid_rows, tidx)
+            cute.arch.sync_threads()
+
+            for m in cutlass.range_constexpr(mt):
+                for r in cutlass.range_constexpr(2):
+                    fo = _smem_scalar(Float32, bases.corr + (16 * m + g + 8 * r) * 4)[0]
+                    for n in cutlass.range_constexpr(8):
+                        for i in cutlass.range_constexpr(2):
+                            acc_O[(m * 8 + n) * 4 + 2 * r + i] = acc_O[(m * 8 + n) * 4 + 2 * r + i] * fo
+            pa = [self._load_p(bases.pbf, m, s, lane) for m in range(mt) for s in range(2)]
+            for n in cutlass.range_constexpr(8):
+                vfrag = ldsm_x4(stage_base + v_row + 16 * n, trans=True)  # entries 0-7, 8-15 (step 0), 16-31 (step 1)
+                for m in cutlass.range_constexpr(mt):
+                    d = [acc_O[(m * 8 + n) * 4 + k] for k in range(4)]
+                    for s in cutlass.range_constexpr(2):
+                        d = mma_bf16(d, pa[m * 2 + s], vfrag[2 * s:2 * s + 2])
+                    for k in cutlass.range_constexpr(4):
+                        acc_O[(m * 8 + n) * 4 + k] = d[k]
+
+        self._finish_softmax(sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
+                             lse_stride_t, lse_stride_h, attn_sink)
+        self._store_rope_outputs(acc_O, bases, lane, token, split, head0, num_heads, num_splits, o_part, out,
+                                 out_stride_t, out_stride_h)
+
+    # ------------------------------------------------------------------ shared steps
+    @staticmethod
+    def _role_copies(ctx, bases):
+        """Each role's own namespaces: the tracer rebinds the attributes of a namespace passed
+        into a helper with a branch to that branch's results, which the other role's code
+        (another region) must not see."""
+        return SimpleNamespace(**vars(ctx)), SimpleNamespace(**vars(bases))
+
+    @cute.jit
+    def _next_chunk(self, ctx, c, c_end, step):
+        """Wait for chunk c's rows (and, by the barrier, for every warp to be done with chunk
+        c - 1), start chunk c + 1's rows and c + 2's indices."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if c + 1 < c_end:
+            self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
+        if c + 2 < c_end:
+            self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _warp_max(self, x: Int32) -> Int32:
+        for off in (16, 8, 4, 2, 1):
+            x = cutlass.max(x, cute.arch.shuffle_sync_bfly(x, offset=off, mask=-1, mask_and_clamp=31))
+        return x
+
+    @cute.jit
+    def _head_exponent(self, sAmax, hrow) -> Int32:
+        """E_h: the exponent of head row ``hrow``'s largest |q| over the nope dims, clamped so
+        that every power of two built from it is a normal f32."""
+        amax = sAmax[hrow, 0]
+        for w in cutlass.range_constexpr(1, ROPE_WARP):
+            amax = cutlass.max(amax, sAmax[hrow, w])
+        return cutlass.min(cutlass.max((amax >> 23) - 127, -100), 127)
+
+    @cute.jit
+    def _store_s_part(self, bases, w, m, nb, lane, d):
+        """A warp's partial S of n tile nb, m tile m (C fragment ``d``) into its [head][entry] rows."""
+        g = lane // 4
+        qd = lane % 4
+        for r in cutlass.range_constexpr(2):
+            addr = bases.s + ((w * self.hb + 16 * m + g + 8 * r) * F16_S_ROW + 8 * nb + 2 * qd) * 4
+            v = cute.make_rmem_tensor(2, Float32)
+            v[0] = d[2 * r]
+            v[1] = d[2 * r + 1]
+            cute.autovec_copy(v, _smem_vec(Float32, addr, 2))
+
+    @cute.jit
+    def _load_p(self, p_base, m, s, lane):
+        """The A fragment of P (m16 tile m, k16 step s) by ``ldmatrix.x4``: lane 8 i + r gives
+        row r (+ 8 for matrices 1, 3), entries 16 s (+ 8 for matrices 2, 3)."""
+        row = 16 * m + lane % 8 + 8 * ((lane // 8) % 2)
+        col = 16 * s + 8 * (lane // 16)
+        return ldsm_x4(p_base + row * F16_P_ROW_BYTES + col * 2, trans=False)
+
+    def _softmax_geometry(self):
+        """(entries per thread, threads per head row) of the spread softmax."""
+        ept = self.hb * self.bn // self.nthr
+        return ept, self.bn // ept
+
+    @cute.jit
+    def _softmax_state(self, sAmax, tidx, sm_scale_log2):
+        """This thread's head row of the softmax, its running max / partial sum, and the
+        factors that turn the summed partials into log2-domain scores."""
+        ept, tpr = self._softmax_geometry()
+        hrow = tidx // tpr
+        e = self._head_exponent(sAmax, hrow)
+        run = cute.make_rmem_tensor(2, Float32)  # running max (log2 units), this thread's partial sum
+        run[0] = -Float32.inf
+        run[1] = Float32(0.0)
+        return SimpleNamespace(hrow=hrow, j0=(tidx % tpr) * ept, run=run,
+                               nope_fac=_pow2_f32(e - Q_F16_EXP) * sm_scale_log2, rope_fac=sm_scale_log2)
+
+    @cute.jit
+    def _softmax_step(self, sm, bases, valid_rows, tidx):
+        """Scores of this thread's entries from the 8 partials, the online softmax over its
+        head row, P (f16 and bf16) and the row's rescale factor into shared memory."""
+        ept, tpr = self._softmax_geometry()
+        hrow, j0, run = sm.hrow, sm.j0, sm.run
+        part = cute.make_rmem_tensor(ept, Float32)
+        acc = cute.make_rmem_tensor(ept, Float32)
+        acc.fill(0.0)
+        for w in cutlass.range_constexpr(ROPE_WARP):
+            cute.autovec_copy(_smem_vec(Float32, bases.s + ((w * self.hb + hrow) * F16_S_ROW + j0) * 4, ept), part)
+            acc.store(acc.load() + part.load())
+        cute.autovec_copy(_smem_vec(Float32, bases.s + ((ROPE_WARP * self.hb + hrow) * F16_S_ROW + j0) * 4, ept),
+                          part)
+        m_chunk = -Float32.inf
+        for e in cutlass.range_constexpr(ept):
+            s = acc[e] * sm.nope_fac + part[e] * sm.rope_fac
+            if (valid_rows >> (j0 + e)) & 1 == 0:
+                s = -Float32.inf
+            acc[e] = s
+            m_chunk = cute.arch.fmax(m_chunk, s)
+        off = tpr // 2
+        while off >= 1:
+            m_chunk = cute.arch.fmax(m_chunk, cute.arch.shuffle_sync_bfly(m_chunk, offset=off, mask=-1,
+                                                                           mask_and_clamp=31))
+            off //= 2
+        m_new = cute.arch.fmax(run[0], m_chunk)
+        m_base = m_new
+        if m_new == -Float32.inf:
+            m_base = Float32(0.0)
+        corr = cute.math.exp2(run[0] - m_base, fastmath=True)
+        psum = Float32(0.0)
+        for e in cutlass.range_constexpr(ept):
+            p = cute.math.exp2(acc[e] - m_base, fastmath=True)
+            acc[e] = p
+            psum = psum + p
+        run[1] = run[1] * corr + psum
+        run[0] = m_new
+        words16 = cute.make_rmem_tensor(ept // 2, Int32)
+        words_bf = cute.make_rmem_tensor(ept // 2, Int32)
+        for k in cutlass.range_constexpr(ept // 2):
+            words16[k] = pack_f16x2(acc[2 * k], acc[2 * k + 1])
+            words_bf[k] = pack_bf16x2(acc[2 * k], acc[2 * k + 1])
+        offset = hrow * F16_P_ROW_BYTES + j0 * 2
+        cute.autovec_copy(words16, _smem_vec(Int32, bases.p16 + offset, ept // 2))
+        cute.autovec_copy(words_bf, _smem_vec(Int32, bases.pbf + offset, ept // 2))
+        corr_addr = bases.corr + hrow * 4
+        if tidx % tpr == 0:
+            _smem_scalar(Float32, corr_addr)[0] = corr
+
+    @cute.jit
+    def _finish_softmax(self, sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
+                        lse_stride_t, lse_stride_h, attn_sink, dbg=False):
+        """The row sums, each head's output factor into shared memory (visible on return) and
+        its lse to global memory."""
+        if const_expr(dbg):
+            return
+        ept, tpr = self._softmax_geometry()
+        hrow, run = sm.hrow, sm.run
+        total = run[1]
+        off = tpr // 2
+        while off >= 1:
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=off, mask=-1, mask_and_clamp=31)
+            off //= 2
+        head = head0 + hrow
+        gate_addr = bases.gate + hrow * 4
+        if tidx % tpr == 0:
+            if head < num_heads:
+                gate, lse2 = self._gate_and_lse2(total, run[0], attn_sink, head)
+                _smem_scalar(Float32, gate_addr)[0] = gate
+                self._store_lse(total, lse2, token, split, num_splits, num_heads, head, lse_part, lse,
+                                lse_stride_t, lse_stride_h)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _store_nope_outputs(self, acc_O, unit, bases, w, lane, token, split, head0, num_heads, num_splits,
+                            o_part, out, out_stride_t, out_stride_h):
+        """Nope tile w of the output: column 64 w + 16 blk + 4 q + k of row (m, r) is
+        accumulator ((m * 4 + blk) * 2 + k % 2) * 4 + 2 r + k // 2, in units of ``unit``."""
+        g = lane // 4
+        qd = lane % 4
+        gate_base = bases.gate
+        for m in cutlass.range_constexpr(self.groups):
+            for r in cutlass.range_constexpr(2):
+                hrow = 16 * m + g + 8 * r
+                if head0 + hrow < num_heads:
+                    fg = _smem_scalar(Float32, gate_base + hrow * 4)[0] * unit
+                    for blk in cutlass.range_constexpr(4):
+                        vals = [acc_O[((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2] * fg for k in range(4)]
+                        self._store_out(vals, w * UNIT + 16 * blk + 4 * qd, token, split, num_splits, num_heads,
+                                        head0 + hrow, o_part, out, out_stride_t, out_stride_h)
+
+    @cute.jit
+    def _store_rope_outputs(self, acc_O, bases, lane, token, split, head0, num_heads, num_splits, o_part, out,
+                            out_stride_t, out_stride_h):
+        """The rope columns of the output: column 448 + 8 n + 2 q + i of row (m, r) is
+        accumulator (m * 8 + n) * 4 + 2 r + i."""
+        g = lane // 4
+        qd = lane % 4
+        gate_base = bases.gate
+        for m in cutlass.range_constexpr(self.groups):
+            for r in cutlass.range_constexpr(2):
+                hrow = 16 * m + g + 8 * r
+                if head0 + hrow < num_heads:
+                    fg = _smem_scalar(Float32, gate_base + hrow * 4)[0]
+                    for n in cutlass.range_constexpr(8):
+                        vals = [acc_O[(m * 8 + n) * 4 + 2 * r + i] * fg for i in range(2)]
+                        self._store_out(vals, D_NOPE + 8 * n + 2 * qd, token, split, num_splits, num_heads,
+                                        head0 + hrow, o_part, out, out_stride_t, out_stride_h)
+
+    @cute.jit
+    def _store_out(self, vals, col, token, split, num_splits, num_heads, head, o_part, out, out_stride_t,
+                   out_stride_h):
+        """``len(vals)`` adjacent output values from column ``col``: bf16 out (final mode) or
+        the f32 split partial (``out`` / ``o_part``: their addresses)."""
+        n = len(vals)
+        if const_expr(self.cfg.final_output):
+            v = cute.make_rmem_tensor(n, BFloat16)
+            for k in cutlass.range_constexpr(n):
+                v[k] = BFloat16(vals[k])
+            addr = out + (Int64(token) * out_stride_t + Int64(head) * out_stride_h + Int64(col)) * 2
+            dst = cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=2 * n),
+                                   cute.make_layout(n))
+        else:
+            v = cute.make_rmem_tensor(n, Float32)
+            for k in cutlass.range_constexpr(n):
+                v[k] = vals[k]
+            addr = o_part + (((Int64(token) * num_splits + split) * num_heads + head) * D_QK + col) * 4
+            dst = cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4 * n),
+                                   cute.make_layout(n))
+        cute.autovec_copy(v, dst)
