@@ -47,6 +47,26 @@ scales of normalized latents span a few binades).
 The two roles run in two separate code paths (one branch on the warp index, around the whole
 loop): a per-chunk branch would have ptxas predicate both sides into every warp's stream
 (seen on the FP8 path).
+
+Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has the runs):
+- Against the bf16 kernel (partial.py), same run: faster on all 48 bench shapes, 1.05-1.2x at
+  1 token, 1.8-1.9x at 64-256 tokens (64 x 128 x 1024: 141 against 253 us). Main loop per chunk
+  and thread, sm_120a SASS, 32 heads: 727 instructions in the nope warps (81 of them the
+  predicated-off UIADD3 ptxas places as no-ops; 64 HMMA, 64 e4m3 -> f16 unpacks, 104 FMUL of
+  which 64 are the O rescale), 536 in the rope warp: 5625 warp-instructions per chunk against
+  the bf16 kernel's 7344. With 16 heads: 546 / 381 (4203 against 4772), at <= 128 registers,
+  so two CTAs (16 warps) share an H200 SM.
+- 32-head CTAs (226 registers, one per SM) against 16-head ones: 3-5% faster at 64 tokens x
+  64/128 heads, 0-6% slower wherever the call needs splits (``head_groups_for``).
+- Implied issue rate at 64 x 128 x 1024: about 1.3 warp-instructions per SM and cycle of 4
+  (two waves of 256 CTAs, 32 chunks each): still latency-bound at 8 warps per SM with three
+  CTA barriers per chunk; the 64/128-head shapes at 64 tokens remain 2.4-2.8x FlashMLA's
+  wgmma kernel there.
+- Tracing notes (CuTe DSL 4.8.1): a dict or namespace of DSL values passed into a helper with
+  a dynamic branch has its entries rebound to the branch's results, which then escape their
+  region (IR that does not verify): read such attributes into locals before a branch, and
+  give each role its own copies (``_role_copies``). A Uint8 shared-memory load widens with a
+  sign extension (``device_utils.load_smem_u8`` masks it).
 """
 
 from __future__ import annotations
