@@ -17,6 +17,12 @@ def load_i32(addr: Int64) -> Int32:
     return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4), cute.make_layout(1))[0]
 
 
+def smem_vec(dtype, addr, n):
+    """``n`` elements at a shared-memory address aligned to their total size."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=n * dtype.width // 8),
+                            cute.make_layout(n))
+
+
 @cute.jit
 def load_smem_u8(addr: Int32) -> Int32:
     """One byte from a shared-memory address, zero-extended. (The DSL widens a Uint8 load

@@ -54,11 +54,11 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   and thread, sm_120a SASS, 32 heads: 727 instructions in the nope warps (81 of them the
   predicated-off UIADD3 ptxas places as no-ops; 64 HMMA, 64 e4m3 -> f16 unpacks, 104 FMUL of
   which 64 are the O rescale), 536 in the rope warp: 5625 warp-instructions per chunk against
-  the bf16 kernel's 7344. With 16 heads: 546 / 381 (4203 against 4772), at <= 128 registers,
+  the bf16 kernel's 7344. With 16 heads: 553 / 379 (4250 against 4760), at <= 128 registers,
   so two CTAs (16 warps) share an H200 SM.
 - 32-head CTAs (226 registers, one per SM) against 16-head ones: 3-5% faster at 64 tokens x
   64/128 heads, 0-6% slower wherever the call needs splits (``head_groups_for``).
-- Implied issue rate at 64 x 128 x 1024: about 1.3 warp-instructions per SM and cycle of 4
+- Implied issue rate at 64 x 128 x 1024: about 1.2 warp-instructions per SM and cycle of 4
   (two waves of 256 CTAs, 32 chunks each): still latency-bound at 8 warps per SM with three
   CTA barriers per chunk; the 64/128-head shapes at 64 tokens remain 2.4-2.8x FlashMLA's
   wgmma kernel there.
@@ -79,7 +79,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.memory import SmemAllocator
 
 from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_WARPS, RAW_ROW_STRIDE, SLOT_BUFFERS
-from .device_utils import load_smem_u8
+from .device_utils import load_smem_u8, smem_vec as _smem_vec
 from .layout import D_NOPE, D_QK, NUM_TILES, SCALE_BYTES
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
@@ -93,12 +93,6 @@ ROPE_BYTE0 = D_NOPE  # the rope dims' first byte in a row (bf16 from there)
 # prmt selector turning ldmatrix.trans bytes (row 2q: c, c+1; row 2q+1: c, c+1) into
 # (row 2q, row 2q+1) pairs of column c, then of column c + 1
 PAIR_COLUMNS = 0x3120
-
-
-def _smem_vec(dtype, addr, n):
-    """``n`` elements at a shared-memory address aligned to their total size."""
-    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=n * dtype.width // 8),
-                            cute.make_layout(n))
 
 
 def _smem_scalar(dtype, addr):

@@ -58,7 +58,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.memory import SmemAllocator
 
 from .config import FP8_Q_REGS as Q_REGS, RAW_ROW_STRIDE, SLOT_BUFFERS
-from .device_utils import store_f32
+from .device_utils import smem_vec as _smem_vec, store_f32
 from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BIAS
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
@@ -68,12 +68,6 @@ from .warp_ops import (
 
 UNIT = 64  # columns per nope unit: one scale tile
 P_HEADROOM_LOG2 = 8  # P' = P * 2**(b - R + 8) <= 256: inside e4m3's range, 8 binades above P
-
-
-def _smem_vec(dtype, addr, n):
-    """``n`` elements at a shared-memory address aligned to their total size."""
-    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=n * dtype.width // 8),
-                            cute.make_layout(n))
 
 
 @cute.jit
