@@ -15,6 +15,10 @@ that eight splits' partial outputs are loaded at once, T=1 x 16 x 1024 went from
 14.8 us (together with the partial kernel's cp.async indices). The loop it replaced (each
 split's lse loaded in the loop, four splits unrolled) took 9.4 us under ncu for 32 splits
 of 1 x 128 x 1024.
+Loading the first ``MergeConfig.split_batch`` splits' partial outputs together with the lse
+values (2026-12-01, scripts/split_sweep.py): 1 x 16 x 1024 12.5 -> 11.2 us, 1 x 64 x 1024
+13.3 -> 12.3, 1 x 128 x 1024 13.8 -> 13.1; a batch of 32 for every call (164 registers) cost
+8 x 128 x 128 2.5 us (fewer merge CTAs per SM), hence 8 or 32 per call (``merge_batch_for``).
 """
 
 from __future__ import annotations
