@@ -99,7 +99,7 @@ def resolve_precision(precision: str | None, arch: str) -> str:
     The default is "f16" on every arch, by measurement (BENCHMARKS.md, README "Precision"):
     on the H200 it is faster than "bf16" on every bench shape (up to 1.9x at 64 tokens x
     64/128 heads) and as accurate (the cache values are exact in f16; P has 11 bits, not
-    8); its sm_120a main loop per chunk and thread (32 heads) has 727 instructions in the
+    8); its sm_120a main loop per chunk and thread (32 heads) has 716 instructions in the
     nope warps and 536 in the rope warp, against 918 for bf16.
     The FP8 paths are slower on the H200 (sm_90 has no e4m3 ``mma.sync``: ptxas emulates
     it) and 10x less accurate; on sm_120 they are for measuring there first."""

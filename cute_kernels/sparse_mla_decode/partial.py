@@ -330,13 +330,7 @@ class SparseMlaPartialKernel:
             step = c - c_begin
             stage = step % 2  # raw row buffer of chunk c
             buf = step % SLOT_BUFFERS  # index and validity-mask buffer of chunk c
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # chunk c and c+1's indices landed; last step's readers are done
-            if c + 1 < c_end:
-                self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
-            if c + 2 < c_end:
-                self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
-            cute.arch.cp_async_commit_group()
+            self._next_chunk(ctx, c, c_end, step)
             self._dequantize(ctx, stage, buf)
             cute.arch.sync_threads()
 
@@ -550,6 +544,19 @@ class SparseMlaPartialKernel:
         cute.arch.cp_async_commit_group()  # group: rows of the first chunk
 
     # ------------------------------------------------------------------ per-chunk stages
+    @cute.jit
+    def _next_chunk(self, ctx: SimpleNamespace, c: Int32, c_end: Int32, step: Int32):
+        """The head of every partial kernel's chunk loop: wait for chunk c's rows and c + 1's
+        indices (and, by the barrier, for every warp to be done with chunk c - 1), start chunk
+        c + 1's rows and c + 2's indices."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if c + 1 < c_end:
+            self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
+        if c + 2 < c_end:
+            self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
+        cute.arch.cp_async_commit_group()
+
     @cute.jit
     def _chunk_source(self, ctx: SimpleNamespace, c: Int32):
         """Where chunk ``c``'s entries live: (first list position, index row address, list

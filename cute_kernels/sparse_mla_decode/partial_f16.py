@@ -51,12 +51,12 @@ loop): a per-chunk branch would have ptxas predicate both sides into every warp'
 Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has the runs):
 - Against the bf16 kernel (partial.py), same run: faster on all 48 bench shapes, 1.05-1.2x at
   1 token, 1.8-1.9x at 64-256 tokens (64 x 128 x 1024: 141 against 253 us). Main loop per chunk
-  and thread, sm_120a SASS, 32 heads: 727 instructions in the nope warps (81 of them the
+  and thread, sm_120a SASS, 32 heads: 716 instructions in the nope warps (78 of them the
   predicated-off UIADD3 ptxas places as no-ops; 64 HMMA, 64 e4m3 -> f16 unpacks, 104 FMUL of
-  which 64 are the O rescale), 536 in the rope warp: 5625 warp-instructions per chunk against
-  the bf16 kernel's 7344. With 16 heads: 553 / 379 (4250 against 4760), at <= 128 registers,
+  which 64 are the O rescale), 536 in the rope warp: 5548 warp-instructions per chunk against
+  the bf16 kernel's 7344. With 16 heads: 545 / 379 (4194 against 4760), at <= 128 registers,
   so two CTAs (16 warps) share an H200 SM.
-- 32-head CTAs (226 registers, one per SM) against 16-head ones: 3-5% faster at 64 tokens x
+- 32-head CTAs (230 registers, one per SM) against 16-head ones: 3-5% faster at 64 tokens x
   64/128 heads, 0-6% slower wherever the call needs splits (``head_groups_for``).
 - Implied issue rate at 64 x 128 x 1024: about 1.2 warp-instructions per SM and cycle of 4
   (two waves of 256 CTAs, 32 chunks each): still latency-bound at 8 warps per SM with three
@@ -83,7 +83,7 @@ from .device_utils import load_smem_u8, smem_vec as _smem_vec
 from .layout import D_NOPE, D_QK, NUM_TILES, SCALE_BYTES
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
-    e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_bf16x2, pack_f16x2,
+    e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_bf16x2, pack_f16x2, warp_max_u32,
 )
 
 UNIT = 64  # columns per warp: one nope scale tile, or the rope dims
@@ -229,8 +229,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                     for pair in cutlass.range_constexpr(2):
                         v = qraw[((m * 4 + i) * 2 + r) * 2 + pair]
                         amax = cutlass.max(amax, cutlass.max((v << 16) & 0x7FFFFFFF, v & 0x7FFF0000))
-                for off in (1, 2):
-                    amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=off, mask=-1, mask_and_clamp=31))
+                amax = self._quad_allreduce(amax, cutlass.max)
                 if qd == 0:
                     sAmax[16 * m + g + 8 * r, warp_id] = amax
         cute.arch.sync_threads()
@@ -286,7 +285,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             if (valid_rows >> lane) & 1 == 0:
                 mine = Int32(0)
             r_old = r_byte[0]
-            r_new = cutlass.max(r_old, self._warp_max(mine))
+            r_new = cutlass.max(r_old, warp_max_u32(mine))
             r_byte[0] = r_new
 
             # S_w = Q_w K_w^T times each entry's scale
@@ -336,8 +335,14 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
 
         self._finish_softmax(sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
                              lse_stride_t, lse_stride_h, attn_sink)
-        self._store_nope_outputs(acc_O, _scale_of_byte(r_byte[0]), bases, w, lane, token, split, head0,
-                                 num_heads, num_splits, o_part, out, out_stride_t, out_stride_h)
+        # column 64 w + 16 blk + 4 q + k of row (m, r) is accumulator ((m * 4 + blk) * 2 + k % 2) * 4
+        # + 2 r + k // 2, in units of 2**(R_w - 127)
+        def pieces(m, r):
+            return [(w * UNIT + 16 * blk + 4 * qd, [((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2 for k in range(4)])
+                    for blk in range(4)]
+
+        self._store_outputs(acc_O, _scale_of_byte(r_byte[0]), pieces, bases, lane, token, split, head0, num_heads,
+                            num_splits, o_part, out, out_stride_t, out_stride_h)
 
     @cute.jit
     def _rope_role(self, ctx, bases, qraw, sAmax, lane, tidx, token, split, head0, num_heads, sm_scale_log2,
@@ -347,6 +352,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         ctx, bases = self._role_copies(ctx, bases)
         mt = self.groups
         g = lane // 4
+        qd = lane % 4
         sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
         acc_O = cute.make_rmem_tensor(mt * 32, Float32)  # index (m * 8 + n) * 4 + c
         acc_O.fill(0.0)
@@ -392,8 +398,12 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
 
         self._finish_softmax(sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
                              lse_stride_t, lse_stride_h, attn_sink)
-        self._store_rope_outputs(acc_O, bases, lane, token, split, head0, num_heads, num_splits, o_part, out,
-                                 out_stride_t, out_stride_h)
+        # column 448 + 8 n + 2 q + i of row (m, r) is accumulator (m * 8 + n) * 4 + 2 r + i
+        def pieces(m, r):
+            return [(D_NOPE + 8 * n + 2 * qd, [(m * 8 + n) * 4 + 2 * r + i for i in range(2)]) for n in range(8)]
+
+        self._store_outputs(acc_O, Float32(1.0), pieces, bases, lane, token, split, head0, num_heads, num_splits,
+                            o_part, out, out_stride_t, out_stride_h)
 
     # ------------------------------------------------------------------ shared steps
     @staticmethod
@@ -402,24 +412,6 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         into a helper with a branch to that branch's results, which the other role's code
         (another region) must not see."""
         return SimpleNamespace(**vars(ctx)), SimpleNamespace(**vars(bases))
-
-    @cute.jit
-    def _next_chunk(self, ctx, c, c_end, step):
-        """Wait for chunk c's rows (and, by the barrier, for every warp to be done with chunk
-        c - 1), start chunk c + 1's rows and c + 2's indices."""
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        if c + 1 < c_end:
-            self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
-        if c + 2 < c_end:
-            self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def _warp_max(self, x: Int32) -> Int32:
-        for off in (16, 8, 4, 2, 1):
-            x = cutlass.max(x, cute.arch.shuffle_sync_bfly(x, offset=off, mask=-1, mask_and_clamp=31))
-        return x
 
     @cute.jit
     def _head_exponent(self, sAmax, hrow) -> Int32:
@@ -543,39 +535,20 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         cute.arch.sync_threads()
 
     @cute.jit
-    def _store_nope_outputs(self, acc_O, unit, bases, w, lane, token, split, head0, num_heads, num_splits,
-                            o_part, out, out_stride_t, out_stride_h):
-        """Nope tile w of the output: column 64 w + 16 blk + 4 q + k of row (m, r) is
-        accumulator ((m * 4 + blk) * 2 + k % 2) * 4 + 2 r + k // 2, in units of ``unit``."""
+    def _store_outputs(self, acc_O, unit, pieces, bases, lane, token, split, head0, num_heads, num_splits,
+                       o_part, out, out_stride_t, out_stride_h):
+        """This thread's output values, in units of ``unit`` times each head's gate:
+        ``pieces(m, r)`` lists (first column, accumulator indices of adjacent columns) of row r
+        of m tile m."""
         g = lane // 4
-        qd = lane % 4
         gate_base = bases.gate
         for m in cutlass.range_constexpr(self.groups):
             for r in cutlass.range_constexpr(2):
                 hrow = 16 * m + g + 8 * r
                 if head0 + hrow < num_heads:
                     fg = _smem_scalar(Float32, gate_base + hrow * 4)[0] * unit
-                    for blk in cutlass.range_constexpr(4):
-                        vals = [acc_O[((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2] * fg for k in range(4)]
-                        self._store_out(vals, w * UNIT + 16 * blk + 4 * qd, token, split, num_splits, num_heads,
-                                        head0 + hrow, o_part, out, out_stride_t, out_stride_h)
-
-    @cute.jit
-    def _store_rope_outputs(self, acc_O, bases, lane, token, split, head0, num_heads, num_splits, o_part, out,
-                            out_stride_t, out_stride_h):
-        """The rope columns of the output: column 448 + 8 n + 2 q + i of row (m, r) is
-        accumulator (m * 8 + n) * 4 + 2 r + i."""
-        g = lane // 4
-        qd = lane % 4
-        gate_base = bases.gate
-        for m in cutlass.range_constexpr(self.groups):
-            for r in cutlass.range_constexpr(2):
-                hrow = 16 * m + g + 8 * r
-                if head0 + hrow < num_heads:
-                    fg = _smem_scalar(Float32, gate_base + hrow * 4)[0]
-                    for n in cutlass.range_constexpr(8):
-                        vals = [acc_O[(m * 8 + n) * 4 + 2 * r + i] * fg for i in range(2)]
-                        self._store_out(vals, D_NOPE + 8 * n + 2 * qd, token, split, num_splits, num_heads,
+                    for col, idx in pieces(m, r):
+                        self._store_out([acc_O[k] * fg for k in idx], col, token, split, num_splits, num_heads,
                                         head0 + hrow, o_part, out, out_stride_t, out_stride_h)
 
     @cute.jit

@@ -238,13 +238,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
             step = c - c_begin
             stage = step % 2
             buf = step % SLOT_BUFFERS
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            if c + 1 < c_end:
-                self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
-            if c + 2 < c_end:
-                self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
-            cute.arch.cp_async_commit_group()
+            self._next_chunk(ctx, c, c_end, step)
             valid_rows = sMask[buf]
             stage_base = raw_base + stage * self.stage_bytes
             scale_base = stage_base + self.scale_off
