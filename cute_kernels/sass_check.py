@@ -92,6 +92,10 @@ class LoopMix:
     shared_memory: int  # LDS*, STS*, LDSM*, LDGSTS (cp.async)
     barriers: int
     mma_kinds: dict = field(default_factory=dict)  # MMA opcode with modifiers -> count
+    # of ``instructions``, those inside loops nested in this one (mma_loops: loops without
+    # MMA, such as the "f16" kernel's 0-or-1-pass rescale, which a chunk runs only when a
+    # softmax max moved): ``instructions - nested`` is the pass that skips them
+    nested: int = 0
 
 
 _SHARED_MEMORY_OPS = ("LDS", "STS", "LDSM", "LDGSTS")
@@ -129,9 +133,10 @@ def _backward_loops(body, label_addr) -> list:
     return loops
 
 
-def _mix(body, start: int, end: int) -> LoopMix:
+def _mix(body, start: int, end: int, inner=()) -> LoopMix:
     ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in body if start <= a <= end]
     return LoopMix(
+        nested=sum(1 for a, _ in body if any(s <= a <= e for s, e in inner)),
         instructions=len(ops),
         mma=sum(1 for o in ops if re.match(r"[A-Z]*MMA\b|[A-Z]*MMA\.", o)),
         shared_memory=sum(1 for o in ops if o.split(".")[0] in _SHARED_MEMORY_OPS),
@@ -142,13 +147,19 @@ def _mix(body, start: int, end: int) -> LoopMix:
 
 def mma_loops(sass: str) -> list[LoopMix]:
     """Every innermost loop of ``sass`` that holds MMA instructions, in code order: the
-    main loops of this project's partial kernels (one per warp role in the "f16" kernel)."""
+    main loops of this project's partial kernels (one per warp role in the "f16" kernel);
+    each one's ``nested`` counts the instructions of the loops (without MMA) inside it."""
     body, label_addr = _instructions(sass)
     with_mma = [(s, e) for s, e in _backward_loops(body, label_addr)
                 if any(_is_mma(t) for a, t in body if s <= a <= e)]
     innermost = [(s, e) for s, e in with_mma if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e)
                                                           for s2, e2 in with_mma)]
-    return [_mix(body, s, e) for s, e in sorted(innermost)]
+    loops = _backward_loops(body, label_addr)
+
+    def inner(s, e):  # the outermost loops nested in (s, e)
+        nested = [(s2, e2) for s2, e2 in loops if s <= s2 and e2 <= e and (s2, e2) != (s, e)]
+        return [(a, b) for a, b in nested if not any(c <= a and b <= d and (c, d) != (a, b) for c, d in nested)]
+    return [_mix(body, s, e, inner(s, e)) for s, e in sorted(innermost)]
 
 
 def mma_loop_mix(sass: str) -> LoopMix:

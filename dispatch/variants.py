@@ -54,11 +54,13 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
                     precision: str = DEFAULT_PRECISION) -> int:
     """16-head groups per CTA.
 
-    "f16": two (every operand register a warp converts then serves two m16 tiles) when
-    there are more than 16 heads and the 16-head blocks outnumber the SMs; one otherwise.
-    Measured on the H200 (BENCHMARKS.md, ``scripts/bench.py --head-groups``): 32-head CTAs
-    are 3-5% faster at 64 tokens x 64/128 heads, and 0-6% slower wherever the call needs
-    splits (8 tokens and fewer), where the one-group kernel runs two 256-thread CTAs per SM.
+    "f16": one, always. Measured on the H200 (BENCHMARKS.md, ``scripts/bench.py
+    --head-groups 2``, 2026-12-01, after the gather moved to the rope warp and the
+    one-group kernel got a third row stage): 32-head CTAs were 1-4% slower on 11 of the
+    12 shapes of 64 and 256 tokens x 64/128 heads (1% faster on one) and 2-13% slower at 1
+    and 8 tokens; the one-group kernel runs two 256-thread CTAs per SM there. (The kernel
+    still builds with two groups, for measuring on sm_120, where either shape runs one CTA
+    per SM: ``scripts/bench.py --head-groups 2``.)
 
     The other precisions: two (each gathered and dequantized row then serves 32 heads)
     when there are more than 16 heads and either the 16-head blocks alone outnumber the SMs
@@ -72,7 +74,7 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     if num_heads <= 16:
         return 1
     if precision == "f16":
-        return 2 if blocks > num_sms else 1
+        return 1
     if blocks > num_sms or (blocks >= TWO_GROUPS_MIN_BLOCKS and entries >= TWO_GROUPS_MIN_ENTRIES):
         return 2
     return 1
@@ -99,8 +101,8 @@ def resolve_precision(precision: str | None, arch: str) -> str:
     The default is "f16" on every arch, by measurement (BENCHMARKS.md, README "Precision"):
     on the H200 it is faster than "bf16" on every bench shape (up to 1.9x at 64 tokens x
     64/128 heads) and as accurate (the cache values are exact in f16; P has 11 bits, not
-    8); its sm_120a main loop per chunk and thread (32 heads) has 716 instructions in the
-    nope warps and 536 in the rope warp, against 918 for bf16.
+    8); its sm_120a main loop per chunk and thread (16 heads, without the rare rescale) has
+    356 instructions in the nope warps and 375 in the rope warp, against bf16's 1191.
     The FP8 paths are slower on the H200 (sm_90 has no e4m3 ``mma.sync``: ptxas emulates
     it) and 10x less accurate; on sm_120 they are for measuring there first."""
     if precision is None:
@@ -136,15 +138,13 @@ _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sin
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``.
 
-    "f16" has no two-group partial-mode (split) variants: its two-group CTAs come only with
-    more 16-head blocks than SMs (``head_groups_for``), i.e. more than half as many 32-head
-    CTAs as SMs, where one wave has no room for a second split."""
+    "f16" has no two-group variants: ``head_groups_for`` never picks them."""
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p), arch)
         for p, g, a, b, (f, s) in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
                                                     _MODES)
-        if not (p == "f16" and g == 2 and not f)
+        if not (p == "f16" and g == 2)
     ]
     out += [KernelVariant(MergeConfig(has_sink=s, split_batch=b), arch) for s in (False, True) for b in MERGE_BATCHES]
     return out

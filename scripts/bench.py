@@ -98,6 +98,22 @@ def force_head_groups(groups: int) -> None:
     plan_mod.check_in_variant_space = lambda *a, **k: None
 
 
+def force_stages(stages: int) -> None:
+    """Make every plan's partial kernel use ``stages`` raw row stages (a measurement aid:
+    the variant-space check is switched off for the process)."""
+    import dataclasses
+
+    import dispatch.plan as plan_mod
+    from cute_kernels.sparse_mla_decode.config import PartialConfig
+
+    shape_config, variants = plan_mod.partial_shape_config, plan_mod.variants_for
+    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), num_stages=stages)
+    plan_mod.variants_for = lambda *a, **k: tuple(
+        dataclasses.replace(v, config=dataclasses.replace(v.config, num_stages=stages))
+        if isinstance(v.config, PartialConfig) else v for v in variants(*a, **k))
+    plan_mod.check_in_variant_space = lambda *a, **k: None
+
+
 def graph_time_us(fn) -> float:
     from triton.testing import do_bench
 
@@ -119,10 +135,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch reference timing")
     ap.add_argument("--head-groups", type=int, choices=(1, 2),
                     help="force 16-head (1) or 32-head (2) CTAs on every call (variant-space check off)")
+    ap.add_argument("--stages", type=int, choices=(2, 3),
+                    help="force every partial kernel's raw row stages (default: PartialConfig.default_stages)")
     args = ap.parse_args(argv)
     precisions = args.precision or ["default"]
     if args.head_groups:
         force_head_groups(args.head_groups)
+    if args.stages:
+        force_stages(args.stages)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)

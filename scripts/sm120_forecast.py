@@ -77,7 +77,8 @@ def loop_instructions(precision: str) -> dict:
     """Main-loop warp-instructions per chunk of one CTA of the shipped partial kernel
     (sm_120a) of ``precision``, for one and two head groups, counted in the SASS (compiles
     two variants): the loop's instructions times the warps that run it, summed over the
-    kernel's main loops (the "f16" kernel has one per warp role: 7 nope warps, 1 rope warp)."""
+    kernel's main loops (the "f16" kernel has one per warp role: 7 nope warps, 1 rope warp),
+    each without its nested rescale loop (a chunk runs it only when a softmax max moved)."""
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_forecast_"))
     from cute_kernels.sass_check import disassemble, mma_loops
     from dispatch.loader import compile_variant
@@ -91,10 +92,10 @@ def loop_instructions(precision: str) -> dict:
         if precision == "f16":  # the nope loop runs f16 MMAs, the rope loop bf16 ones
             (nope,) = [lp for lp in loops if "HMMA.16816.F32" in lp.mma_kinds]
             (rope,) = [lp for lp in loops if "HMMA.16816.F32.BF16" in lp.mma_kinds]
-            out[groups] = (cfg.num_warps - 1) * nope.instructions + rope.instructions
+            out[groups] = (cfg.num_warps - 1) * (nope.instructions - nope.nested) + rope.instructions - rope.nested
         else:
             (loop,) = loops
-            out[groups] = cfg.num_warps * loop.instructions
+            out[groups] = cfg.num_warps * (loop.instructions - loop.nested)
     return out
 
 

@@ -7,12 +7,25 @@ instruction SM120 does not have; here it runs over the whole variant space.
 
 import pytest
 
-from dispatch.variants import variant_space
+from cute_kernels.sparse_mla_decode.config import PartialConfig
+from dispatch.variants import KernelVariant, variant_space
 from scripts.aot_build import _build_one
 
 
 @pytest.mark.parametrize("variant", variant_space("sm_120a"), ids=lambda v: v.name)
 def test_variant_builds_for_sm120_without_spills(variant, tmp_path, monkeypatch):
+    _check_build(variant, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_f16_two_group_kernel_still_builds_for_sm120(final, tmp_path, monkeypatch):
+    """Outside the variant space (the dispatch never picks it), kept buildable for measuring
+    on sm_120 (``scripts/bench.py --head-groups 2``)."""
+    _check_build(KernelVariant(PartialConfig(head_groups=2, final_output=final, precision="f16"), "sm_120a"),
+                 tmp_path, monkeypatch)
+
+
+def _check_build(variant, tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     entry = _build_one(variant, str(tmp_path))
     res = entry["resources"]

@@ -61,3 +61,26 @@ def test_mma_loops_finds_each_role_loop_with_its_mma_kinds():
     assert (second.instructions, second.mma, second.shared_memory) == (5, 2, 1)
     assert second.mma_kinds == {"HMMA.16816.F32.BF16": 2}
     assert [m.instructions for m in mma_loops(SASS)] == [3]  # .L_x_1: the innermost loop with an MMA
+
+
+NESTED_RESCALE = """
+.L_x_0:
+        /*0000*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/              @!P1 BRA `(.L_x_2) ;
+.L_x_1:
+        /*0030*/                   FMUL R4, R4, R20 ;
+        /*0040*/                   FMUL R5, R5, R20 ;
+        /*0050*/              @P2 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0060*/                   HMMA.16816.F32 R4, R8, R14, R4 ;
+        /*0070*/              @P0 BRA `(.L_x_0) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_mma_loops_counts_a_nested_loop_without_mma_apart():
+    (loop,) = mma_loops(NESTED_RESCALE)  # .L_x_1 has no MMA: .L_x_0 stays the innermost MMA loop
+    assert (loop.instructions, loop.mma, loop.nested) == (8, 2, 3)
+    (role,) = [m for m in mma_loops(TWO_ROLES) if m.mma == 1]
+    assert role.nested == 0

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from .layout import D_QK, SCALE_BYTES
 
 SMEM_LIMIT_BYTES = 101376  # 99 KB: the most an SM120 CTA may use
-SLOT_BUFFERS = 3  # the partial kernel loads each chunk's indices two chunks ahead of their use
 # Shared-memory bytes per gathered row: the 576 data bytes padded to 592 (37 x 16) so that 8
 # consecutive rows start 20 banks apart: ldmatrix on the raw rows (the FP8 path reads K and V
 # straight from them) is then free of bank conflicts; 576 would put rows 2 apart on the same banks.
@@ -64,7 +63,29 @@ class PartialConfig:
     heads_per_group: int = 16
     block_n: int = 32
     warps_per_group: int = 4
-    num_stages: int = 2
+    num_stages: int | None = None  # raw row stages; None: ``default_stages``
+
+    @property
+    def stages(self) -> int:
+        """Chunks of gathered rows in shared memory at once: the one being computed on and
+        ``stages - 1`` in flight (``num_stages``, else ``default_stages``)."""
+        return self.num_stages if self.num_stages is not None else self.default_stages
+
+    @property
+    def default_stages(self) -> int:
+        """3 for the "f16" one-group kernel, 2 for the others (the "f16" two-group kernel
+        has no room for a third in 99 KB). The f16 kernel's rope warp issues most of the
+        next chunk's rows after the softmax (``partial_f16.EARLY_ROW_GROUPS``), which leaves
+        them less than a chunk to land: with 16 heads a third stage gives them more than
+        one. Measured on the H200 (``scripts/bench.py --stages``, 2026-12-01): see
+        ``partial_f16.py``."""
+        return 3 if self.precision == "f16" and self.head_groups == 1 else 2
+
+    @property
+    def slot_buffers(self) -> int:
+        """Index / validity-mask buffers: a chunk's indices land ``stages`` chunks ahead of
+        its compute (``SparseMlaPartialKernel._next_chunk``)."""
+        return self.stages + 1
 
     @property
     def heads_per_cta(self) -> int:
@@ -109,16 +130,16 @@ class PartialConfig:
             s_part = self.num_warps * hb * F16_S_ROW * 4
             p_tiles = 2 * hb * F16_P_ROW_BYTES  # P in f16 (nope) and bf16 (rope)
             per_head = hb * 4 * (2 + F16_WARPS)  # corrections, gates, Q amax per warp
-            raw = self.num_stages * self.stage_bytes
-            slots = SLOT_BUFFERS * (self.block_n * 4 + 4)
+            raw = self.stages * self.stage_bytes
+            slots = self.slot_buffers * (self.block_n * 4 + 4)
             return s_part + p_tiles + per_head + raw + slots + 1024
         if self.precision == "bf16":
             tile = self.block_n * D_QK * 2  # dequantized bf16 rows (Q staged here first)
         else:
             tile = self.q_region_bytes + self.heads_per_cta * 4  # Q (bf16, then operands) and per-head scales
-        raw = self.num_stages * self.stage_bytes
+        raw = self.stages * self.stage_bytes
         s_exchange = self.num_warps * self.heads_per_group * self.block_n * 4  # per group: its warps' S tiles
-        slots = SLOT_BUFFERS * (self.block_n * 4 + 4)  # raw indices and validity masks
+        slots = self.slot_buffers * (self.block_n * 4 + 4)  # raw indices and validity masks
         return tile + raw + s_exchange + slots + 1024  # + alignment slack
 
     def check(self) -> None:
@@ -137,8 +158,8 @@ class PartialConfig:
             raise ValueError(f"warps_per_group {self.warps_per_group} must split {D_QK} into 64-wide slices")
         if self.block_n * (D_QK // 8) % self.num_threads != 0:
             raise ValueError("block_n * 64 must be a multiple of the thread count")
-        if self.num_stages != 2:
-            raise ValueError("num_stages must be 2")
+        if self.stages not in (2, 3):
+            raise ValueError(f"num_stages {self.stages} must be 2 or 3 (the cp.async group order of _next_chunk)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             raise ValueError(f"{self} needs {self.smem_bytes()} bytes of shared memory > {SMEM_LIMIT_BYTES}")
 
@@ -147,7 +168,7 @@ class PartialConfig:
         """A name that holds every code-generating field (used for kernels and caches)."""
         return (
             f"sparse_mla_partial_{self.precision}_g{self.head_groups}x{self.heads_per_group}_n{self.block_n}"
-            f"_w{self.warps_per_group}_s{self.num_stages}"
+            f"_w{self.warps_per_group}_s{self.stages}"
             f"_len{int(self.has_topk_length)}{int(self.has_extra_topk_length)}"
             f"_final{int(self.final_output)}_sink{int(self.has_sink)}"
         )

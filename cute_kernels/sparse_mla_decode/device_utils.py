@@ -6,6 +6,7 @@ import math
 
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
+from cutlass._mlir.dialects import llvm
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -50,3 +51,16 @@ def sink_gate(sink: Float32, lse2: Float32) -> Float32:
     = 1 / (1 + 2**(sink * log2(e) - lse2)): a sink of +inf gives 0, -inf gives 1.
     """
     return 1.0 / (1.0 + cute.math.exp2(sink * LOG2_E - lse2, fastmath=False))
+
+
+def cp_async_zfill(smem_addr: Int32, gmem_addr: Int64, nbytes: int, src_bytes: Int32):
+    """``cp.async`` of ``nbytes`` (8 or 16) from global to shared memory, of which only the
+    first ``src_bytes`` (0 or ``nbytes``) are read: with 0 nothing is read and the shared
+    bytes become zeros (PTX's src-size operand), so an invalid row needs no separate store.
+    16-byte copies bypass L1 (``.cg``: no CTA re-reads a gathered row from global memory)."""
+    cache = "cg" if nbytes == 16 else "ca"
+    llvm.inline_asm(
+        None, [Int32(smem_addr).ir_value(), Int64(gmem_addr).ir_value(), Int32(src_bytes).ir_value()],
+        f"cp.async.{cache}.shared.global [$0], [$1], {nbytes}, $2;", "r,l,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

@@ -66,7 +66,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
-from .config import RAW_ROW_STRIDE, SLOT_BUFFERS, PartialConfig
+from .config import RAW_ROW_STRIDE, PartialConfig
 from .device_utils import LN_2, load_f32, load_i32, load_smem_u8, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
 
@@ -87,6 +87,7 @@ class SparseMlaPartialKernel:
     # whether the gather writes zeros for an invalid entry's row: the bf16 path's
     # dequantization does that itself; a kernel reading the raw rows must say True
     ZERO_FILL_INVALID_ROWS = False
+    INDEX_THREAD0 = 0  # the first of the block_n threads that load a chunk's indices
 
     def __init__(self, cfg: PartialConfig):
         cfg.check()
@@ -99,6 +100,8 @@ class SparseMlaPartialKernel:
         self.nthr = cfg.num_threads
         self.wslice = D_QK // cfg.warps_per_group  # QK/output columns per warp
         self.stage_bytes = cfg.stage_bytes
+        self.stages = cfg.stages  # raw row buffers (``_next_chunk``)
+        self.slots = cfg.slot_buffers  # index / validity-mask buffers
         self.scale_off = cfg.block_n * RAW_ROW_STRIDE  # scales follow the rows in a stage
 
     def fake_args(self) -> list:
@@ -324,12 +327,12 @@ class SparseMlaPartialKernel:
         ctx.tXsKV = tXsKV
         ctx.tXcKV = tXcKV
 
-        # ---- main loop over the chunks of this split. Chunk c's rows were issued one step
-        # ahead and its indices two steps ahead, so neither latency is on the critical path.
+        # ---- main loop over the chunks of this split. Chunk c's rows were issued stages - 1
+        # steps ahead and its indices stages steps ahead (``_next_chunk``).
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
-            stage = step % 2  # raw row buffer of chunk c
-            buf = step % SLOT_BUFFERS  # index and validity-mask buffer of chunk c
+            stage = step % self.stages  # raw row buffer of chunk c
+            buf = step % self.slots  # index and validity-mask buffer of chunk c
             self._next_chunk(ctx, c, c_end, step)
             self._dequantize(ctx, stage, buf)
             cute.arch.sync_threads()
@@ -476,10 +479,10 @@ class SparseMlaPartialKernel:
         n_chunks = n_main_chunks + (e_topk + bn - 1) // bn
         c_begin = split * chunks_per_split
         m_limit, e_limit = self._length_limits(m_len, m_topk, e_len, e_topk, token)
-        sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.num_stages * self.stage_bytes), byte_alignment=128)
+        sRaw = smem.allocate_tensor(Uint8, cute.make_layout(self.stages * self.stage_bytes), byte_alignment=128)
         sS = self._allocate_s_exchange(smem)
-        sMask = smem.allocate_tensor(Int32, cute.make_layout(SLOT_BUFFERS), byte_alignment=16)
-        sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, SLOT_BUFFERS)), byte_alignment=16)
+        sMask = smem.allocate_tensor(Int32, cute.make_layout(self.slots), byte_alignment=16)
+        sIdx = smem.allocate_tensor(Int32, cute.make_layout((bn, self.slots)), byte_alignment=16)
         return SimpleNamespace(
             c_begin=c_begin, c_end=cutlass.min(c_begin + chunks_per_split, n_chunks), sS=sS,
             # addresses taken here, at the top level: an iterator's toint() first evaluated
@@ -530,32 +533,42 @@ class SparseMlaPartialKernel:
 
     @cute.jit
     def _start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
-        """The first two chunks' indices (cp.async, in the same group as Q), a wait for them
-        and Q (visible to every thread on return), then the first chunk's rows (in flight)."""
-        if c_begin < c_end:
-            self._issue_indices(ctx, c_begin, Int32(0))
-        if c_begin + 1 < c_end:
-            self._issue_indices(ctx, c_begin + 1, Int32(1))
+        """The first ``stages`` chunks' indices (cp.async, in the same group as Q), a wait for
+        them and Q (visible to every thread on return), then the first ``stages - 1`` chunks'
+        rows (in flight, one cp.async group each)."""
+        for k in cutlass.range_constexpr(self.stages):
+            if c_begin + k < c_end:
+                self._issue_indices(ctx, c_begin + k, Int32(k))
         cute.arch.cp_async_commit_group()  # group: Q and the first indices
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # Q and the indices visible
-        if c_begin < c_end:
-            self._issue_rows(ctx, c_begin, Int32(0), Int32(0))
-        cute.arch.cp_async_commit_group()  # group: rows of the first chunk
+        for k in cutlass.range_constexpr(self.stages - 1):
+            if c_begin + k < c_end:
+                self._issue_rows(ctx, c_begin + k, Int32(k), Int32(k))
+            cute.arch.cp_async_commit_group()  # group: rows of chunk c_begin + k
 
     # ------------------------------------------------------------------ per-chunk stages
     @cute.jit
-    def _next_chunk(self, ctx: SimpleNamespace, c: Int32, c_end: Int32, step: Int32):
-        """The head of every partial kernel's chunk loop: wait for chunk c's rows and c + 1's
-        indices (and, by the barrier, for every warp to be done with chunk c - 1), start chunk
-        c + 1's rows and c + 2's indices."""
-        cute.arch.cp_async_wait_group(0)
+    def _next_chunk(self, ctx: SimpleNamespace, c: Int32, c_end: Int32, step: Int32, issue: cutlass.Constexpr = True):
+        """The head of every partial kernel's chunk loop: wait for chunk c's rows and for
+        chunk c + stages - 1's indices (and, by the barrier, for every warp to be done with
+        chunk c - 1, whose buffers are reused), then start chunk c + stages's indices and
+        chunk c + stages - 1's rows, in two cp.async groups in that order. The wait leaves
+        the newest stages - 2 groups in flight: with 2 stages none, with 3 the rows of chunk
+        c + 1 (issued after the indices now needed, which is why the indices go first).
+        ``issue=False``: a warp that issues no copies (the f16 kernel's gather is one
+        warp's) only takes the barrier."""
+        if const_expr(issue):
+            cute.arch.cp_async_wait_group(self.stages - 2)
         cute.arch.sync_threads()
-        if c + 1 < c_end:
-            self._issue_rows(ctx, c + 1, (step + 1) % 2, (step + 1) % SLOT_BUFFERS)
-        if c + 2 < c_end:
-            self._issue_indices(ctx, c + 2, (step + 2) % SLOT_BUFFERS)
-        cute.arch.cp_async_commit_group()
+        if const_expr(issue):
+            ahead = self.stages - 1
+            if c + ahead + 1 < c_end:
+                self._issue_indices(ctx, c + ahead + 1, (step + ahead + 1) % self.slots)
+            cute.arch.cp_async_commit_group()
+            if c + ahead < c_end:
+                self._issue_rows(ctx, c + ahead, (step + ahead) % self.stages, (step + ahead) % self.slots)
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _chunk_source(self, ctx: SimpleNamespace, c: Int32):
@@ -583,25 +596,26 @@ class SparseMlaPartialKernel:
 
     @cute.jit
     def _issue_indices(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
-        """Threads 0..block_n-1 start the cp.async of one index of chunk ``c`` each into
+        """Threads INDEX_THREAD0 .. + block_n - 1 start the cp.async of one index of chunk ``c`` each into
         ``sIdx[:, buf]`` (positions past topk are not read: they are outside the index row).
 
         Asynchronous so that no thread waits on a global load in the main loop; the indices
         are checked when the rows are issued (``_valid_slot``)."""
-        tidx = ctx.tidx
+        e = ctx.tidx - self.INDEX_THREAD0
         pos0, idx_row, topk, _, _, _, _, _ = self._chunk_source(ctx, c)
-        if tidx < self.bn:
-            if pos0 + tidx < topk:
-                src = cute.make_tensor(
-                    cute.make_ptr(Int32, idx_row + Int64(pos0 + tidx) * 4, cute.AddressSpace.gmem, assumed_align=4),
-                    cute.make_layout(1),
-                )
-                dst = cute.make_tensor(
-                    cute.make_ptr(Int32, ctx.sidx_base + (buf * self.bn + tidx) * 4,
-                                  cute.AddressSpace.smem, assumed_align=4),
-                    cute.make_layout(1),
-                )
-                cute.copy(ctx.g2s_4, src, dst)
+        if e >= 0:
+            if e < self.bn:
+                if pos0 + e < topk:
+                    src = cute.make_tensor(
+                        cute.make_ptr(Int32, idx_row + Int64(pos0 + e) * 4, cute.AddressSpace.gmem, assumed_align=4),
+                        cute.make_layout(1),
+                    )
+                    dst = cute.make_tensor(
+                        cute.make_ptr(Int32, ctx.sidx_base + (buf * self.bn + e) * 4,
+                                      cute.AddressSpace.smem, assumed_align=4),
+                        cute.make_layout(1),
+                    )
+                    cute.copy(ctx.g2s_4, src, dst)
 
     @cute.jit
     def _valid_slot(self, ctx: SimpleNamespace, e: Int32, buf: Int32, pos0: Int32, limit: Int32,

@@ -1,9 +1,10 @@
 """Split-K partial kernel, "f16" form (``PartialConfig.precision == "f16"``): column-sliced
 warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
-Same work split, gather pipeline (``partial.py``: cp.async rows one chunk ahead, indices two
-ahead, invalid rows zero-filled) and outputs as the bf16 kernel; the compute differs. The CTA
-covers 16 or 32 heads (``head_groups`` m16 tiles) with 8 warps, and warp w owns 64 columns of
+Same work split, pipeline order (``partial.py``: rows ``num_stages - 1`` chunks ahead,
+indices ``num_stages`` ahead, ``_next_chunk``) and outputs as the bf16 kernel; the gather is
+one warp's (below) and the compute differs. The CTA covers 16 heads (``head_groups`` m16
+tiles; the dispatch uses one, the kernel also builds with two) with 8 warps, and warp w owns 64 columns of
 the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
 per entry) or the 64 rope dims (w = 7). So each gathered byte is turned into an MMA operand by
 exactly one warp, once for QK and once for PV, and a 32-head CTA multiplies each operand
@@ -23,16 +24,22 @@ Per chunk of 32 entries:
 2. Softmax, all 256 threads: thread t sums the 8 partials of 2 or 4 consecutive entries of
    one head (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)), masks invalid
    entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (shuffle
-   max; the row sum stays per thread until the end). It writes P in f16 and in bf16 and the
-   head's rescale factor to shared memory.
+   max; the row sum stays per thread until the end). A head's reference max moves only when
+   the chunk's max exceeds it by more than ``RESCALE_LOG2`` (so P <= 2**8). It writes P in
+   f16 and in bf16 and the head's rescale factor to shared memory; the barrier after it
+   (``barrier.red.or``) tells every thread whether any head's max moved.
 3. PV, warp w < 7: P' = P * 2**(b - R_w) (f16, ``mul.rn.f16x2`` on the ``ldmatrix``-loaded
    P fragments), R_w the running maximum of tile w's scale byte over the valid entries of
    the split so far, so P' <= 1; the value fragments are the raw rows by
    ``ldmatrix.x4.trans`` (rows 2q, 2q+1 of each 8-entry group, two adjacent columns) with one
    byte permute into (row 2q, row 2q+1) pairs per column: even and odd columns of each
    16-column group are two MMAs, and each thread ends with 4 adjacent output columns. The
-   accumulator is in units of 2**(R_w - 127), rescaled when R_w grows. Warp 7: P in bf16
-   times the raw bf16 rope rows.
+   accumulator is in units of 2**(R_w - 127). The accumulators are rescaled (a loop of 0 or 1
+   pass) only when a head's max or R_w moved. Warp 7: P in bf16 times the raw bf16 rope rows.
+Gather: the rope warp alone issues the next chunk's indices, validity mask, rows and scales
+(``_locate_rows`` / ``_copy_rows``; invalid rows zero-filled by the copies' src-size 0): the
+first ``EARLY_ROW_GROUPS`` of its 4 groups of 8 rows after the chunk-head barrier, the rest
+after the softmax, to even out its phases against the nope warps'.
 Invalid entries have zero rows and probability 0. Three CTA barriers per chunk: the stage
 landed (and the previous PV is done), the partial S written, P written.
 
@@ -49,19 +56,26 @@ loop): a per-chunk branch would have ptxas predicate both sides into every warp'
 (seen on the FP8 path).
 
 Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has the runs):
-- Against the bf16 kernel (partial.py), same run: faster on all 48 bench shapes, 1.05-1.2x at
-  1 token, 1.8-1.9x at 64-256 tokens (64 x 128 x 1024: 141 against 253 us). Main loop per chunk
-  and thread, sm_120a SASS, 32 heads: 716 instructions in the nope warps (78 of them the
-  predicated-off UIADD3 ptxas places as no-ops; 64 HMMA, 64 e4m3 -> f16 unpacks, 104 FMUL of
-  which 64 are the O rescale), 536 in the rope warp: 5548 warp-instructions per chunk against
-  the bf16 kernel's 7344. With 16 heads: 545 / 379 (4194 against 4760), at <= 128 registers,
-  so two CTAs (16 warps) share an H200 SM.
-- 32-head CTAs (230 registers, one per SM) against 16-head ones: 3-5% faster at 64 tokens x
-  64/128 heads, 0-6% slower wherever the call needs splits (``head_groups_for``).
-- Implied issue rate at 64 x 128 x 1024: about 1.2 warp-instructions per SM and cycle of 4
-  (two waves of 256 CTAs, 32 chunks each): still latency-bound at 8 warps per SM with three
-  CTA barriers per chunk; the 64/128-head shapes at 64 tokens remain 2.4-2.8x FlashMLA's
-  wgmma kernel there.
+- Against the bf16 kernel (partial.py): faster on all 48 bench shapes (first f16 version:
+  1.05-1.2x at 1 token, 1.8-1.9x at 64-256 tokens).
+- Session 6 (the same day), each step timed with ``scripts/bench.py``: (1) the gather moved
+  from all 256 threads to the rope warp, and the lazy rescale: 64 x 128 x 1024 141 -> 125 us,
+  64 x 64 x 1024 73.6 -> 65.8; (2) the rope warp's row copies split around its QK / PV phases
+  (``EARLY_ROW_GROUPS``) with a third row stage for 16 heads: 8 x 128 x 1024 27.3 -> 25.7 us;
+  with only two stages the late copies cost 5-10% at 64 tokens (too little time to land);
+  (3) then 16-head CTAs beat 32-head ones almost everywhere (``head_groups_for``): 64 x 128 x
+  1024 117.8 us. Tried and not kept: both rescale paths with their own copy of the PV MMAs
+  (avoids ~60 register moves with 32 heads; 3-5% slower: the isolated MMA block is padded
+  with NOPs). Early row groups 1 and 2 alike within noise (1 kept); 0 (all copies after the
+  softmax) 8% slower at 8 x 128 x 1024.
+- Main loop per chunk and thread, sm_120a SASS, 16 heads, without the rescale pass: nope
+  warps 356 instructions (QK phase 144, softmax 61, PV 149), rope warp 375 (191 / 59 / 117);
+  2867 warp-instructions per chunk against 4194 before session 6 (bf16 kernel: 4764). The
+  nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu at 64 x
+  128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them fixed-latency
+  dependency waits, 2 warps per scheduler).
+- A single CTA alone on an SM takes about 1.4 us per chunk (``scripts/split_sweep.py``, one
+  split of 1 x 64 x 1024): the floor of the small calls, with the two kernel launches.
 - Tracing notes (CuTe DSL 4.8.1): a dict or namespace of DSL values passed into a helper with
   a dynamic branch has its entries rebound to the branch's results, which then escape their
   region (IR that does not verify): read such attributes into locals before a branch, and
@@ -78,12 +92,13 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.memory import SmemAllocator
 
-from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_WARPS, RAW_ROW_STRIDE, SLOT_BUFFERS
-from .device_utils import load_smem_u8, smem_vec as _smem_vec
-from .layout import D_NOPE, D_QK, NUM_TILES, SCALE_BYTES
+from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_WARPS, RAW_ROW_STRIDE
+from .device_utils import cp_async_zfill, load_smem_u8, smem_vec as _smem_vec
+from .layout import D_NOPE, D_QK, NUM_TILES, ROW_BYTES, SCALE_BYTES
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
-    e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_bf16x2, pack_f16x2, warp_max_u32,
+    e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_bf16x2, pack_f16x2,
+    sync_threads_or, warp_max_u32,
 )
 
 UNIT = 64  # columns per warp: one nope scale tile, or the rope dims
@@ -93,6 +108,17 @@ ROPE_BYTE0 = D_NOPE  # the rope dims' first byte in a row (bf16 from there)
 # prmt selector turning ldmatrix.trans bytes (row 2q: c, c+1; row 2q+1: c, c+1) into
 # (row 2q, row 2q+1) pairs of column c, then of column c + 1
 PAIR_COLUMNS = 0x3120
+# A head's softmax reference max moves only when the chunk's max exceeds it by more than this
+# (log2 units): P <= 2**8 then, still far inside f16 and f32 with the value scales folded in,
+# and most chunks need no rescale of the accumulators (skipped when no head of the CTA moved).
+RESCALE_LOG2 = 8.0
+# Per head groups: how many of the next chunk's 4 row groups the rope warp issues right after
+# the chunk-head barrier (the rest after the softmax). With the whole gather there, its QK
+# phase was the longest phase of the chunk (sm_120a, per thread, 16 heads: 259 against the
+# nope warps' 143) and its PV phase the shortest (54 against 149); with 1 early group: 191 /
+# 117. The late copies then have less than a chunk to land, which the 16-head kernel's third
+# row stage covers; the 32-head kernel (two stages, not used by the dispatch) issues all 4 early.
+EARLY_ROW_GROUPS = {1: 1, 2: 4}
 
 
 def _smem_scalar(dtype, addr):
@@ -118,7 +144,13 @@ def _scale_of_byte(b: Int32) -> Float32:
 class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
     """The "f16"-form partial kernel for one ``PartialConfig``."""
 
-    ZERO_FILL_INVALID_ROWS = True  # the MMAs read the raw rows
+    INDEX_THREAD0 = ROPE_WARP * 32  # the gather is the rope warp's (``_issue_rows``)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        # 8-entry row groups of the next chunk the rope warp issues right after the chunk-head
+        # barrier; the rest after the softmax (see "the gather" below)
+        self.early_row_groups = EARLY_ROW_GROUPS[cfg.head_groups]
 
     def _allocate_s_exchange(self, smem):
         """Each warp's partial S for all heads of the CTA: [warp][head][F16_S_ROW] f32."""
@@ -243,6 +275,85 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                             sm_scale_log2, c_begin, c_end, num_splits, o_part_addr, lse_part_addr, out_addr,
                             out_stride_t, out_stride_h, lse_addr, lse_stride_t, lse_stride_h, sink_addr)
 
+    # ------------------------------------------------------------------ the gather
+    # The gather is the rope warp's alone: each thread of 256 issuing its share cost every
+    # nope warp ~130 instructions per chunk (the index check, a division by the runtime page
+    # size, the addresses) for ~5 copies. Lane l locates entry l (one division); then for
+    # each group of 8 entries, lane 4 r + p copies pieces p, p + 4, .. of entry 8 j + r (each
+    # warp-wide copy: 64 contiguous bytes of 8 rows). An invalid entry's row and scales are
+    # zero-filled by the same copies (src-size 0: nothing is read). In the main loop the
+    # rope warp issues the first ``early_row_groups`` of the 4 groups after the chunk-head
+    # barrier and the rest after the softmax, where it has the fewest instructions
+    # (``_rope_role``).
+
+    @cute.jit
+    def _locate_rows(self, ctx, c: Int32, stage: Int32, buf: Int32):
+        """(validity mask, this lane's row address, its scales' address) of chunk ``c``, whose
+        indices are in ``sIdx[:, buf]``; the mask also into ``sMask[buf]`` (by thread
+        ROPE_WARP * 32). An invalid entry gets slot 0's addresses (the copies read nothing)."""
+        tidx, sMask = ctx.tidx, ctx.sMask
+        lane = tidx % 32
+        pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
+        slot = self._valid_slot(ctx, lane, buf, pos0, limit, num_slots)
+        mask = cute.arch.vote_ballot_sync(slot >= 0)
+        if tidx == ROPE_WARP * 32:
+            sMask[buf] = mask
+        located = cutlass.max(slot, 0)
+        blk = Int32(cutlass.Uint32(located) // cutlass.Uint32(page))  # both >= 0: the unsigned division is shorter
+        off = located - blk * page
+        block_addr = base + Int64(blk) * block_stride
+        return mask, block_addr + Int64(off) * ROW_BYTES, block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
+
+    def _copy_rows(self, stage_base, located, lane, groups, scales: bool):
+        """cp.async of the 8-entry groups ``groups`` of a located chunk (``_locate_rows``)
+        into the stage at ``stage_base``; ``scales``: also each lane's entry's scales."""
+        mask, row_addr, scale_addr = located
+        if scales:
+            cp_async_zfill(stage_base + self.scale_off + lane * SCALE_BYTES, scale_addr, SCALE_BYTES,
+                           ((mask >> lane) & 1) * 8)
+        addr_lo = Int32(row_addr & 0xFFFFFFFF)
+        addr_hi = Int32(row_addr >> 32)
+        r = lane // 4
+        p = lane % 4
+        for j in groups:
+            e = 8 * j + r
+            src = (Int64(cute.arch.shuffle_sync(addr_hi, e)) << 32) | (
+                Int64(cute.arch.shuffle_sync(addr_lo, e)) & 0xFFFFFFFF)
+            nbytes = ((mask >> e) & 1) * 16
+            dst = stage_base + e * RAW_ROW_STRIDE
+            for k in range(ROW_BYTES // 64):
+                piece = 16 * (p + 4 * k)
+                cp_async_zfill(dst + piece, src + piece, 16, nbytes)
+
+    @cute.jit
+    def _issue_rows(self, ctx, c: Int32, stage: Int32, buf: Int32):
+        """All of chunk ``c``'s rows and scales by the rope warp (other threads only locate):
+        the pipeline start's form (``_start_pipeline``); the main loop splits it."""
+        located = self._locate_rows(ctx, c, stage, buf)  # every ctx read before the branch
+        stage_base = ctx.raw_base + stage * self.stage_bytes
+        tidx = ctx.tidx
+        if tidx >= ROPE_WARP * 32:
+            self._copy_rows(stage_base, located, tidx % 32, range(self.bn // 8), scales=True)
+
+    @cute.jit
+    def _start_next_chunk(self, ctx, c: Int32, c_end: Int32, step: Int32, lane: Int32):
+        """The rope warp's first part of the per-chunk gather (``_next_chunk``'s order): chunk
+        c + stages's indices (their own cp.async group), chunk c + stages - 1 located and its
+        first ``early_row_groups`` groups of rows (and the scales) started. Returns the
+        location for ``_copy_rows`` of the other groups. (Located even past c_end: into a
+        mask buffer no chunk in use reads; nothing is copied for it.)"""
+        ahead = self.stages - 1
+        if c + ahead + 1 < c_end:
+            self._issue_indices(ctx, c + ahead + 1, (step + ahead + 1) % self.slots)
+        cute.arch.cp_async_commit_group()
+        stage = (step + ahead) % self.stages
+        located = self._locate_rows(ctx, c + ahead, stage, (step + ahead) % self.slots)
+        stage_base = ctx.raw_base + stage * self.stage_bytes
+        if const_expr(self.early_row_groups > 0):
+            if c + ahead < c_end:
+                self._copy_rows(stage_base, located, lane, range(self.early_row_groups), scales=True)
+        return located
+
     # ------------------------------------------------------------------ the two roles
     @cute.jit
     def _nope_role(self, ctx, bases, qraw, sAmax, w, lane, tidx, token, split, head0, num_heads, sm_scale_log2,
@@ -250,6 +361,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                    lse_stride_t, lse_stride_h, attn_sink):
         """Warps 0..6: nope tile w of QK and of the output, and their share of the softmax."""
         ctx, bases = self._role_copies(ctx, bases)
+        corr_base = bases.corr  # read before the branches (see the tracing notes at the top)
         mt = self.groups
         g = lane // 4
         qd = lane % 4
@@ -273,9 +385,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         v_row = lane * RAW_ROW_STRIDE + w * UNIT  # ldmatrix.trans row of PV
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
-            buf = step % SLOT_BUFFERS
-            self._next_chunk(ctx, c, c_end, step)
-            stage_base = ctx.raw_base + (step % 2) * self.stage_bytes
+            buf = step % self.slots
+            self._next_chunk(ctx, c, c_end, step, issue=False)
+            stage_base = ctx.raw_base + (step % self.stages) * self.stage_bytes
             valid_rows = ctx.sMask[buf]
             scale_base = stage_base + self.scale_off
             for nb in cutlass.range_constexpr(4):
@@ -300,17 +412,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                     self._store_s_part(bases, w, m, nb, lane, [d[0] * kf[0], d[1] * kf[1], d[2] * kf[0],
                                                                d[3] * kf[1]])
             cute.arch.sync_threads()
-            self._softmax_step(sm, bases, valid_rows, tidx)
-            cute.arch.sync_threads()
+            moved = sync_threads_or(self._softmax_step(sm, bases, valid_rows, tidx))
 
             # O_w = O_w * correction * 2**(R_old - R_new) + P' V_w
-            ratio = _pow2_f32(r_old - r_new)
-            for m in cutlass.range_constexpr(mt):
-                for r in cutlass.range_constexpr(2):
-                    fo = _smem_scalar(Float32, bases.corr + (16 * m + g + 8 * r) * 4)[0] * ratio
-                    for k in cutlass.range_constexpr(16):
-                        idx = m * 32 + 4 * (k // 2) + 2 * r + k % 2
-                        acc_O[idx] = acc_O[idx] * fo
             # P' scale pairs: k16 step s, entries 16 s + 2 q + {0, 1} (n tile 2 s) and
             # 16 s + 8 + 2 q + {0, 1} (n tile 2 s + 1)
             pfac = [pack_f16x2(_pow2_f32(sbytes[2 * nt] - r_new), _pow2_f32(sbytes[2 * nt + 1] - r_new))
@@ -321,17 +425,13 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                     pfr = self._load_p(bases.p16, m, s, lane)
                     pa.append([mul_f16x2(pfr[0], pfac[2 * s]), mul_f16x2(pfr[1], pfac[2 * s]),
                                mul_f16x2(pfr[2], pfac[2 * s + 1]), mul_f16x2(pfr[3], pfac[2 * s + 1])])
-            for blk in cutlass.range_constexpr(4):
-                vfrag = ldsm_x4(stage_base + v_row + 16 * blk, trans=True)  # entries 0-7, 8-15, 16-23, 24-31
-                bv = [e4m3x4_to_f16x2(vfrag[k], PAIR_COLUMNS) for k in range(4)]  # [even column, odd column]
-                for parity in cutlass.range_constexpr(2):
-                    for m in cutlass.range_constexpr(mt):
-                        base = ((m * 4 + blk) * 2 + parity) * 4
-                        d = [acc_O[base + k] for k in range(4)]
-                        for s in cutlass.range_constexpr(2):
-                            d = mma_f16(d, pa[m * 2 + s], [bv[2 * s][parity], bv[2 * s + 1][parity]])
-                        for k in cutlass.range_constexpr(4):
-                            acc_O[base + k] = d[k]
+            # the rescale only when a head's reference max or R_w moved (CTA- / warp-uniform),
+            # in a loop of 0 or 1 pass: ptxas predicated an `if` around it (both paths issued).
+            # (Measured, H200: giving each path its own copy of the MMAs, which saves the ~60
+            # register moves ptxas puts where the paths meet with 32 heads, was 3-5% slower.)
+            for _ in cutlass.range(moved | Int32(r_new != r_old), unroll=1):
+                self._rescale(acc_O, corr_base, _pow2_f32(r_old - r_new), g)
+            self._nope_pv(acc_O, pa, stage_base + v_row)
 
         self._finish_softmax(sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
                              lse_stride_t, lse_stride_h, attn_sink)
@@ -344,12 +444,50 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         self._store_outputs(acc_O, _scale_of_byte(r_byte[0]), pieces, bases, lane, token, split, head0, num_heads,
                             num_splits, o_part, out, out_stride_t, out_stride_h)
 
+    def _rescale(self, acc_O, corr_base, ratio, g):
+        """acc_O of this thread's head rows (16 m + g + 8 r) times the row's correction (shared
+        memory) times ``ratio`` (both roles keep row r of m tile m at m * 32 + 4 j + 2 r + {0, 1})."""
+        for m in range(self.groups):
+            for r in range(2):
+                fo = _smem_scalar(Float32, corr_base + (16 * m + g + 8 * r) * 4)[0] * ratio
+                for k in range(16):
+                    idx = m * 32 + 4 * (k // 2) + 2 * r + k % 2
+                    acc_O[idx] = acc_O[idx] * fo
+
+    def _nope_pv(self, acc_O, pa, v_base):
+        """acc_O += P' V_w for one chunk: the value fragments by ``ldmatrix.x4.trans`` of the
+        raw rows from ``v_base`` (entries 0-7, 8-15, 16-23, 24-31 of 16 columns), one byte
+        permute into (row 2q, row 2q + 1) pairs, then even and odd columns as two MMAs."""
+        for blk in range(4):
+            vfrag = ldsm_x4(v_base + 16 * blk, trans=True)
+            bv = [e4m3x4_to_f16x2(vfrag[k], PAIR_COLUMNS) for k in range(4)]  # [even column, odd column]
+            for parity in range(2):
+                for m in range(self.groups):
+                    base = ((m * 4 + blk) * 2 + parity) * 4
+                    d = [acc_O[base + k] for k in range(4)]
+                    for s in range(2):
+                        d = mma_f16(d, pa[m * 2 + s], [bv[2 * s][parity], bv[2 * s + 1][parity]])
+                    for k in range(4):
+                        acc_O[base + k] = d[k]
+
+    def _rope_pv(self, acc_O, pa, v_base):
+        """acc_O += P V_rope for one chunk (bf16 P, the raw bf16 rope rows by ``ldmatrix.trans``)."""
+        for n in range(8):
+            vfrag = ldsm_x4(v_base + 16 * n, trans=True)  # entries 0-7, 8-15 (step 0), 16-31 (step 1)
+            for m in range(self.groups):
+                d = [acc_O[(m * 8 + n) * 4 + k] for k in range(4)]
+                for s in range(2):
+                    d = mma_bf16(d, pa[m * 2 + s], vfrag[2 * s:2 * s + 2])
+                for k in range(4):
+                    acc_O[(m * 8 + n) * 4 + k] = d[k]
+
     @cute.jit
     def _rope_role(self, ctx, bases, qraw, sAmax, lane, tidx, token, split, head0, num_heads, sm_scale_log2,
                    c_begin, c_end, num_splits, o_part, lse_part, out, out_stride_t, out_stride_h, lse,
                    lse_stride_t, lse_stride_h, attn_sink):
         """Warp 7: the 64 rope dims of QK and of the output (bf16), and its share of the softmax."""
         ctx, bases = self._role_copies(ctx, bases)
+        corr_base = bases.corr  # read before the branches (see the tracing notes at the top)
         mt = self.groups
         g = lane // 4
         qd = lane % 4
@@ -362,10 +500,14 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         v_row = lane * RAW_ROW_STRIDE + ROPE_BYTE0
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
-            buf = step % SLOT_BUFFERS
-            self._next_chunk(ctx, c, c_end, step)
-            stage_base = ctx.raw_base + (step % 2) * self.stage_bytes
+            buf = step % self.slots
+            cute.arch.cp_async_wait_group(self.stages - 2)  # chunk c's rows, c + stages - 1's indices
+            self._next_chunk(ctx, c, c_end, step, issue=False)
+            stage_base = ctx.raw_base + (step % self.stages) * self.stage_bytes
+            next_base = ctx.raw_base + ((step + self.stages - 1) % self.stages) * self.stage_bytes
             valid_rows = ctx.sMask[buf]
+            if const_expr(self.early_row_groups > 0):
+                located = self._start_next_chunk(ctx, c, c_end, step, lane)
             for nb in cutlass.range_constexpr(4):
                 kb = []
                 for x in cutlass.range_constexpr(2):
@@ -377,24 +519,19 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                         d = mma_bf16(d, a, kb[2 * i:2 * i + 2])
                     self._store_s_part(bases, ROPE_WARP, m, nb, lane, d)
             cute.arch.sync_threads()
-            self._softmax_step(sm, bases, valid_rows, tidx)
-            cute.arch.sync_threads()
+            moved = sync_threads_or(self._softmax_step(sm, bases, valid_rows, tidx))
+            # the rest of the next chunk's gather here: the rope warp's shortest phase
+            if const_expr(self.early_row_groups == 0):
+                located = self._start_next_chunk(ctx, c, c_end, step, lane)
+            if c + self.stages - 1 < c_end:
+                self._copy_rows(next_base, located, lane, range(self.early_row_groups, self.bn // 8),
+                                scales=self.early_row_groups == 0)
+            cute.arch.cp_async_commit_group()
 
-            for m in cutlass.range_constexpr(mt):
-                for r in cutlass.range_constexpr(2):
-                    fo = _smem_scalar(Float32, bases.corr + (16 * m + g + 8 * r) * 4)[0]
-                    for n in cutlass.range_constexpr(8):
-                        for i in cutlass.range_constexpr(2):
-                            acc_O[(m * 8 + n) * 4 + 2 * r + i] = acc_O[(m * 8 + n) * 4 + 2 * r + i] * fo
             pa = [self._load_p(bases.pbf, m, s, lane) for m in range(mt) for s in range(2)]
-            for n in cutlass.range_constexpr(8):
-                vfrag = ldsm_x4(stage_base + v_row + 16 * n, trans=True)  # entries 0-7, 8-15 (step 0), 16-31 (step 1)
-                for m in cutlass.range_constexpr(mt):
-                    d = [acc_O[(m * 8 + n) * 4 + k] for k in range(4)]
-                    for s in cutlass.range_constexpr(2):
-                        d = mma_bf16(d, pa[m * 2 + s], vfrag[2 * s:2 * s + 2])
-                    for k in cutlass.range_constexpr(4):
-                        acc_O[(m * 8 + n) * 4 + k] = d[k]
+            for _ in cutlass.range(moved, unroll=1):  # as in the nope role
+                self._rescale(acc_O, corr_base, Float32(1.0), g)
+            self._rope_pv(acc_O, pa, stage_base + v_row)
 
         self._finish_softmax(sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
                              lse_stride_t, lse_stride_h, attn_sink)
@@ -463,7 +600,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
     @cute.jit
     def _softmax_step(self, sm, bases, valid_rows, tidx):
         """Scores of this thread's entries from the 8 partials, the online softmax over its
-        head row, P (f16 and bf16) and the row's rescale factor into shared memory."""
+        head row, P (f16 and bf16) and the row's rescale factor into shared memory; returns 1
+        when the row's reference max moved (``RESCALE_LOG2``), else 0."""
         ept, tpr = self._softmax_geometry()
         hrow, j0, run = sm.hrow, sm.j0, sm.run
         part = cute.make_rmem_tensor(ept, Float32)
@@ -486,11 +624,14 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             m_chunk = cute.arch.fmax(m_chunk, cute.arch.shuffle_sync_bfly(m_chunk, offset=off, mask=-1,
                                                                            mask_and_clamp=31))
             off //= 2
-        m_new = cute.arch.fmax(run[0], m_chunk)
+        m_old = run[0]
+        m_new = m_old
+        if m_chunk > m_old + RESCALE_LOG2:
+            m_new = m_chunk
         m_base = m_new
         if m_new == -Float32.inf:
             m_base = Float32(0.0)
-        corr = cute.math.exp2(run[0] - m_base, fastmath=True)
+        corr = cute.math.exp2(m_old - m_base, fastmath=True)
         psum = Float32(0.0)
         for e in cutlass.range_constexpr(ept):
             p = cute.math.exp2(acc[e] - m_base, fastmath=True)
@@ -509,6 +650,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         corr_addr = bases.corr + hrow * 4
         if tidx % tpr == 0:
             _smem_scalar(Float32, corr_addr)[0] = corr
+        return Int32(m_new != m_old)
 
     @cute.jit
     def _finish_softmax(self, sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,

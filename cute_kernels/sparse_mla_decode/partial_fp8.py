@@ -57,7 +57,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.memory import SmemAllocator
 
-from .config import FP8_Q_REGS as Q_REGS, RAW_ROW_STRIDE, SLOT_BUFFERS
+from .config import FP8_Q_REGS as Q_REGS, RAW_ROW_STRIDE
 from .device_utils import smem_vec as _smem_vec, store_f32
 from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BIAS
 from .partial import SparseMlaPartialKernel
@@ -236,8 +236,8 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
 
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
-            stage = step % 2
-            buf = step % SLOT_BUFFERS
+            stage = step % self.stages
+            buf = step % self.slots
             self._next_chunk(ctx, c, c_end, step)
             valid_rows = sMask[buf]
             stage_base = raw_base + stage * self.stage_bytes

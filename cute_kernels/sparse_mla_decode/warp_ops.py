@@ -175,3 +175,12 @@ def pack_f16x2(x0: Float32, x1: Float32) -> Int32:
 def mul_f16x2(a: Int32, b: Int32) -> Int32:
     """Element-wise product of two f16x2 registers (``mul.rn.f16x2``)."""
     return Int32(_asm([Int32.mlir_type], [Int32(a), Int32(b)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r"))
+
+
+def sync_threads_or(flag: Int32) -> Int32:
+    """``__syncthreads_or``: a CTA barrier (barrier 0, every thread) that also returns 1 to
+    every thread when ``flag`` is nonzero in any thread, else 0 (``barrier.cta.red.or``; the
+    same memory ordering as ``bar.sync``)."""
+    return Int32(_asm([Int32.mlir_type], [Int32(flag)],
+                      "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\nbarrier.cta.red.or.pred q, 0, p;\n"
+                      "selp.u32 $0, 1, 0, q;\n}", "=r,r", side_effects=True))
