@@ -197,7 +197,7 @@ class SparseMlaPartialKernel:
             out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h, attn_sink,
             kv_layout, q_layout, tiled_mma, tiled_store, tiled_dequant,
         ).launch(
-            grid=(num_tokens, head_blocks, num_splits),
+            grid=(num_tokens * head_blocks, num_splits, 1),  # see _block_coords
             block=(self.nthr, 1, 1),
             stream=stream,
             # .minnctapersm: 1 lets ptxas use every register (without it, it capped the
@@ -257,7 +257,7 @@ class SparseMlaPartialKernel:
             # as this grid's last wave starts; it waits for this grid to finish before reading
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
-        token, head_block, split = cute.arch.block_idx()
+        token, head_block, split = self._block_coords(num_heads)
         warp_id = tidx // 32
         lane = tidx % 32
         group = warp_id // self.wpg  # which 16 heads of the CTA this warp computes
@@ -428,6 +428,16 @@ class SparseMlaPartialKernel:
                                         lse_part_addr, lse_addr, lse_stride_t, lse_stride_h)
 
     # ------------------------------------------------------------------ epilogue pieces
+    @cute.jit
+    def _block_coords(self, num_heads: Int32):
+        """(token, head block, split) of this CTA. The grid's x runs over the head blocks of
+        a token first: a token's head blocks, which gather the same rows, run at the same
+        time, so all but the first find those rows in L2."""
+        bx, split, _ = cute.arch.block_idx()
+        head_blocks = (num_heads + self.hb - 1) // self.hb
+        token = bx // head_blocks
+        return token, bx - token * head_blocks, split
+
     @cute.jit
     def _gate_and_lse2(self, total: Float32, row_max: Float32, sink_addr: Int64, head: Int32):
         """(factor for the accumulated output row, lse in log2 units) of a head whose

@@ -201,7 +201,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         if const_expr(not self.cfg.final_output):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
-        token, head_block, split = cute.arch.block_idx()
+        token, head_block, split = self._block_coords(num_heads)
         warp_id = cute.arch.make_warp_uniform(tidx // 32)
         lane = tidx % 32
         g = lane // 4

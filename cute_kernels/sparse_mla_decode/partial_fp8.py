@@ -144,7 +144,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
         if const_expr(not self.cfg.final_output):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
-        token, head_block, split = cute.arch.block_idx()
+        token, head_block, split = self._block_coords(num_heads)
         warp_id = tidx // 32
         lane = tidx % 32
         g = lane // 4
