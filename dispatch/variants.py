@@ -57,8 +57,8 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     "f16": one, always. Measured on the H200 (BENCHMARKS.md, ``scripts/bench.py
     --head-groups 2``, 2026-12-01, after the gather moved to the rope warp and the
     one-group kernel got a third row stage): 32-head CTAs were 1-4% slower on 11 of the
-    12 shapes of 64 and 256 tokens x 64/128 heads (1% faster on one) and 2-13% slower at 1
-    and 8 tokens; the one-group kernel runs two 256-thread CTAs per SM there. (The kernel
+    12 shapes of 64 and 256 tokens x 64/128 heads (1% faster on one) and up to 19% slower at
+    1 and 8 tokens; the one-group kernel runs two 256-thread CTAs per SM there. (The kernel
     still builds with two groups, for measuring on sm_120, where either shape runs one CTA
     per SM: ``scripts/bench.py --head-groups 2``.)
 

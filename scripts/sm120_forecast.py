@@ -13,8 +13,10 @@ measurement. The model, per shape of scripts/bench.py's grid:
   sm_120a SASS of the shipped kernel times the warps running that loop); at ISSUE_RATE warp-instructions per scheduler and cycle, 4
   schedulers per SM, the device's boost clock. The split and the head groups are the ones
   the dispatch picks for that device (dispatch/splits.py, dispatch/variants.py).
-- memory_us: the bytes gathered (584 per selected entry, once per CTA head block) at the
-  device's peak memory bandwidth: a lower bound that only matters if it exceeds issue_us.
+- memory_us: the bytes gathered (584 per selected entry; once per token: the head blocks
+  of a token, which read the same rows, are adjacent in the grid and run together, so all
+  but the first read them from L2) at the device's peak memory bandwidth: a lower bound
+  that only matters if it exceeds issue_us.
 - FIXED_US: the shortest call measured on the H200 (launches, the dependent index -> row
   load chain, the merge), taken as the same on SM120.
 
@@ -111,7 +113,7 @@ def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict,
     ctas_per_sm = math.ceil(ctas / dev.num_sms)
     warp_instructions = ctas_per_sm * split.chunks_per_split * instrs[cfg.head_groups]
     issue_us = warp_instructions / (SCHEDULERS_PER_SM * ISSUE_RATE * dev.clock_ghz * 1e3)
-    gathered = T * head_blocks * (topk + extra) * TOKEN_BYTES
+    gathered = T * (topk + extra) * TOKEN_BYTES  # once from DRAM: a token's head blocks run together (L2)
     memory_us = gathered / (dev.memory_gbs * 1e3)
     return FIXED_US + max(issue_us, memory_us), issue_us, memory_us
 

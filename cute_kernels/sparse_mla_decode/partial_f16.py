@@ -62,7 +62,7 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   from all 256 threads to the rope warp, and the lazy rescale: 64 x 128 x 1024 141 -> 125 us,
   64 x 64 x 1024 73.6 -> 65.8; (2) the rope warp's row copies split around its QK / PV phases
   (``EARLY_ROW_GROUPS``) with a third row stage for 16 heads: 8 x 128 x 1024 27.3 -> 25.7 us;
-  with only two stages the late copies cost 5-10% at 64 tokens (too little time to land);
+  with only two stages the late copies cost 4-13% at 64 tokens (too little time to land);
   (3) then 16-head CTAs beat 32-head ones almost everywhere (``head_groups_for``): 64 x 128 x
   1024 117.8 us. Tried and not kept: both rescale paths with their own copy of the PV MMAs
   (avoids ~60 register moves with 32 heads; 3-5% slower: the isolated MMA block is padded
