@@ -102,7 +102,7 @@ def resolve_precision(precision: str | None, arch: str) -> str:
     on the H200 it is faster than "bf16" on every bench shape (up to 1.9x at 64 tokens x
     64/128 heads) and as accurate (the cache values are exact in f16; P has 11 bits, not
     8); its sm_120a main loop per chunk and thread (16 heads, without the rare rescale) has
-    356 instructions in the nope warps and 375 in the rope warp, against bf16's 1191.
+    358 instructions in the nope warps and 375 in the rope warp, against bf16's 1194.
     The FP8 paths are slower on the H200 (sm_90 has no e4m3 ``mma.sync``: ptxas emulates
     it) and 10x less accurate; on sm_120 they are for measuring there first."""
     if precision is None:

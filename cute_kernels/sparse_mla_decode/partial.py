@@ -566,8 +566,8 @@ class SparseMlaPartialKernel:
         chunk c + stages - 1's rows, in two cp.async groups in that order. The wait leaves
         the newest stages - 2 groups in flight: with 2 stages none, with 3 the rows of chunk
         c + 1 (issued after the indices now needed, which is why the indices go first).
-        ``issue=False``: a warp that issues no copies (the f16 kernel's gather is one
-        warp's) only takes the barrier."""
+        ``issue=False``: only the barrier (the f16 kernel: its nope warps issue no copies,
+        its rope warp waits and issues on its own schedule, ``_rope_role``)."""
         if const_expr(issue):
             cute.arch.cp_async_wait_group(self.stages - 2)
         cute.arch.sync_threads()

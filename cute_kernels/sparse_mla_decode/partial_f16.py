@@ -68,9 +68,9 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   (avoids ~60 register moves with 32 heads; 3-5% slower: the isolated MMA block is padded
   with NOPs). Early row groups 1 and 2 alike within noise (1 kept); 0 (all copies after the
   softmax) 8% slower at 8 x 128 x 1024.
-- Main loop per chunk and thread, sm_120a SASS, 16 heads, without the rescale pass: nope
-  warps 356 instructions (QK phase 144, softmax 61, PV 149), rope warp 375 (191 / 59 / 117);
-  2867 warp-instructions per chunk against 4194 before session 6 (bf16 kernel: 4764). The
+- Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
+  pass: nope warps 358 instructions (QK phase 146, softmax 61, PV 149), rope warp 375 (191 / 59
+  / 117); 2881 warp-instructions per chunk against 4194 before session 6 (bf16 kernel: 4776). The
   nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu at 64 x
   128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them fixed-latency
   dependency waits, 2 warps per scheduler).
