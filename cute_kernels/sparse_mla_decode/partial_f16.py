@@ -67,7 +67,9 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   1024 117.8 us. Tried and not kept: both rescale paths with their own copy of the PV MMAs
   (avoids ~60 register moves with 32 heads; 3-5% slower: the isolated MMA block is padded
   with NOPs). Early row groups 1 and 2 alike within noise (1 kept); 0 (all copies after the
-  softmax) 8% slower at 8 x 128 x 1024.
+  softmax) 8% slower at 8 x 128 x 1024. The next chunk's index copy moved from the early to
+  the late part (the rope warp's QK phase then even with the nope warps' in the SASS): T=1
+  0.1-0.3 us faster, 64-256 tokens 2-4% slower in one run (a new lease): not kept.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
   pass: nope warps 358 instructions (QK phase 146, softmax 61, PV 149), rope warp 375 (191 / 59
   / 117); 2881 warp-instructions per chunk against 4194 before session 6 (bf16 kernel: 4776). The
