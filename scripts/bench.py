@@ -86,30 +86,19 @@ def inputs(T, H, shape, caches, gen):
     return q, main, idx, {}, topk
 
 
-def force_head_groups(groups: int) -> None:
-    """Make every plan use ``groups`` 16-head groups per CTA (a measurement aid: the
-    variant-space check is switched off for the process)."""
-    import dataclasses
-
-    import dispatch.plan as plan_mod
-
-    shape_config = plan_mod.partial_shape_config
-    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), head_groups=groups)
-    plan_mod.check_in_variant_space = lambda *a, **k: None
-
-
-def force_stages(stages: int) -> None:
-    """Make every plan's partial kernel use ``stages`` raw row stages (a measurement aid:
-    the variant-space check is switched off for the process)."""
+def force_partial_config(**fields) -> None:
+    """Make every plan's partial kernel use these ``PartialConfig`` fields (``head_groups``,
+    ``num_stages``): a measurement aid, with the variant-space check switched off for the
+    process. The split plan sees them too (``partial_shape_config``)."""
     import dataclasses
 
     import dispatch.plan as plan_mod
     from cute_kernels.sparse_mla_decode.config import PartialConfig
 
     shape_config, variants = plan_mod.partial_shape_config, plan_mod.variants_for
-    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), num_stages=stages)
+    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), **fields)
     plan_mod.variants_for = lambda *a, **k: tuple(
-        dataclasses.replace(v, config=dataclasses.replace(v.config, num_stages=stages))
+        dataclasses.replace(v, config=dataclasses.replace(v.config, **fields))
         if isinstance(v.config, PartialConfig) else v for v in variants(*a, **k))
     plan_mod.check_in_variant_space = lambda *a, **k: None
 
@@ -139,10 +128,9 @@ def main(argv=None) -> int:
                     help="force every partial kernel's raw row stages (default: PartialConfig.default_stages)")
     args = ap.parse_args(argv)
     precisions = args.precision or ["default"]
-    if args.head_groups:
-        force_head_groups(args.head_groups)
-    if args.stages:
-        force_stages(args.stages)
+    forced = {k: v for k, v in (("head_groups", args.head_groups), ("num_stages", args.stages)) if v}
+    if forced:
+        force_partial_config(**forced)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)

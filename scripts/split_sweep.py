@@ -29,7 +29,7 @@ import dispatch.plan as plan_mod  # noqa: E402
 from dispatch import sparse_mla_decode  # noqa: E402
 from dispatch.splits import MAX_SPLITS, SplitPlan, plan_splits  # noqa: E402
 from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E402
-from scripts.bench import NUM_BLOCKS, PAGE, force_head_groups, graph_time_us, inputs  # noqa: E402
+from scripts.bench import NUM_BLOCKS, PAGE, force_partial_config, graph_time_us, inputs  # noqa: E402
 from tests.dsv4_inputs import make_cache  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     while argv[:1] in (["--head-groups"], ["--precision"]):
         if argv[0] == "--head-groups":
             groups = int(argv[1])
-            force_head_groups(groups)
+            force_partial_config(head_groups=groups)
         else:
             precision = argv[1]
         argv = argv[2:]

@@ -81,7 +81,7 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
 - Tracing notes (CuTe DSL 4.8.1): a dict or namespace of DSL values passed into a helper with
   a dynamic branch has its entries rebound to the branch's results, which then escape their
   region (IR that does not verify): read such attributes into locals before a branch, and
-  give each role its own copies (``_role_copies``). A Uint8 shared-memory load widens with a
+  give each role its own copies (``_role_start``). A Uint8 shared-memory load widens with a
   sign extension (``device_utils.load_smem_u8`` masks it).
 """
 
@@ -362,11 +362,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                    c_begin, c_end, num_splits, o_part, lse_part, out, out_stride_t, out_stride_h, lse,
                    lse_stride_t, lse_stride_h, attn_sink):
         """Warps 0..6: nope tile w of QK and of the output, and their share of the softmax."""
-        ctx, bases = self._role_copies(ctx, bases)
-        corr_base = bases.corr  # read before the branches (see the tracing notes at the top)
+        ctx, bases, corr_base, g, qd = self._role_start(ctx, bases, lane)
         mt = self.groups
-        g = lane // 4
-        qd = lane % 4
         # Q as f16 A fragments: index (m * 4 + i) * 4 + a
         qf = cute.make_rmem_tensor(mt * 16, Int32)
         for m in cutlass.range_constexpr(mt):
@@ -488,11 +485,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                    c_begin, c_end, num_splits, o_part, lse_part, out, out_stride_t, out_stride_h, lse,
                    lse_stride_t, lse_stride_h, attn_sink):
         """Warp 7: the 64 rope dims of QK and of the output (bf16), and its share of the softmax."""
-        ctx, bases = self._role_copies(ctx, bases)
-        corr_base = bases.corr  # read before the branches (see the tracing notes at the top)
+        ctx, bases, corr_base, g, qd = self._role_start(ctx, bases, lane)
         mt = self.groups
-        g = lane // 4
-        qd = lane % 4
         sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
         acc_O = cute.make_rmem_tensor(mt * 32, Float32)  # index (m * 8 + n) * 4 + c
         acc_O.fill(0.0)
@@ -546,11 +540,13 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
 
     # ------------------------------------------------------------------ shared steps
     @staticmethod
-    def _role_copies(ctx, bases):
-        """Each role's own namespaces: the tracer rebinds the attributes of a namespace passed
-        into a helper with a branch to that branch's results, which the other role's code
-        (another region) must not see."""
-        return SimpleNamespace(**vars(ctx)), SimpleNamespace(**vars(bases))
+    def _role_start(ctx, bases, lane):
+        """What both roles start with: their own namespaces (the tracer rebinds the attributes
+        of a namespace passed into a helper with a branch to that branch's results, which the
+        other role's code, another region, must not see), the corrections' address (read
+        before any branch) and the lane's MMA fragment coordinates (g, q)."""
+        ctx, bases = SimpleNamespace(**vars(ctx)), SimpleNamespace(**vars(bases))
+        return ctx, bases, bases.corr, lane // 4, lane % 4
 
     @cute.jit
     def _head_exponent(self, sAmax, hrow) -> Int32:
