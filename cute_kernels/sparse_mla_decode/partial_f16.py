@@ -20,7 +20,8 @@ Per chunk of 32 entries:
    group; ``cvt.rn.f16x2.e4m3x2`` turns them into the f16 B fragment of k order {2q, 2q+1,
    8+2q, 9+2q} (Q's A fragments are loaded in the same column order), 4 f16 MMAs per m16
    tile, then times the entry's 2**(b - 127). Warp 7: bf16 MMAs on the raw bf16 rope bytes.
-   Each warp writes its partial S [heads, 32] (f32) to shared memory.
+   Both take the n tiles two at a time (``QK_TILES_AT_ONCE``) so that two chains of 4
+   dependent MMAs interleave. Each warp writes its partial S [heads, 32] (f32) to shared memory.
 2. Softmax, all 256 threads: thread t sums the 8 partials of 2 or 4 consecutive entries of
    one head (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)), masks invalid
    entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (shuffle
@@ -36,10 +37,12 @@ Per chunk of 32 entries:
    16-column group are two MMAs, and each thread ends with 4 adjacent output columns. The
    accumulator is in units of 2**(R_w - 127). The accumulators are rescaled (a loop of 0 or 1
    pass) only when a head's max or R_w moved. Warp 7: P in bf16 times the raw bf16 rope rows.
-Gather: the rope warp alone issues the next chunk's indices, validity mask, rows and scales
-(``_locate_rows`` / ``_copy_rows``; invalid rows zero-filled by the copies' src-size 0): the
-first ``EARLY_ROW_GROUPS`` of its 4 groups of 8 rows after the chunk-head barrier, the rest
-after the softmax, to even out its phases against the nope warps'.
+Gather: in the main loop the rope warp alone issues the next chunks' indices, validity
+masks, rows and scales (``_locate_rows`` / ``_copy_rows``; invalid rows zero-filled by the
+copies' src-size 0): the first ``EARLY_ROW_GROUPS`` of its 4 groups of 8 rows after the
+chunk-head barrier, the rest after the softmax, to even out its phases against the nope
+warps'. The first two chunks' rows, on every call's critical path, are copied by all 256
+threads (``_issue_rows``; each waits for its own copies before the barrier that publishes them).
 Invalid entries have zero rows and probability 0. Three CTA barriers per chunk: the stage
 landed (and the previous PV is done), the partial S written, P written.
 
@@ -70,14 +73,35 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   softmax) 8% slower at 8 x 128 x 1024. The next chunk's index copy moved from the early to
   the late part (the rope warp's QK phase then even with the nope warps' in the SASS): T=1
   0.1-0.3 us faster, 64-256 tokens 2-4% slower in one run (a new lease): not kept.
+- Session 7 (the same day, same method, each against the tree before it in the same lease):
+  (1) the first two chunks' rows copied by all 256 threads instead of the rope warp alone
+  (its ~150 instructions of copies were between the indices landing and the first rows
+  leaving): 8 and 64 tokens 1-3% faster, T=1 within noise (+-0.3 us); an earlier form with
+  the nope warps' wait in a branch at every chunk head was 0.5-1% slower at 64 tokens, and a
+  form without their wait was faster still but raced (caught by the suite's two-run check);
+  (2) QK's n tiles two at a time: the SASS had each warp's 16 QK MMAs as one dependent chain
+  (one accumulator register set reused across the tiles), now two interleaved chains of 8,
+  same instruction count: 64 x 128 x 1024 117.1 -> 111.9 us, 64 x 64 x 1024 62.0 -> 59.4,
+  8 x 128 x 1024 25.5 -> 24.9, T=1 unchanged. Four tiles at once: 40 more instructions per
+  chunk at the 128-register bound (not measured). Tried and not kept: (a) a software-pipelined
+  loop (chunk c's PV in one block with chunk c + 1's QK, two barriers per chunk instead of
+  three): 164 registers; held to 128 it spills, ~10% slower; unbounded (one CTA per SM on the
+  H200) no faster than this kernel at one CTA per SM; ~40 more register moves per chunk where
+  the rescale loop joins; (b) the rope warp locating chunk c + 3 in chunk c's PV phase (its QK
+  phase 192 -> 135 instructions, indices 4 chunks ahead): 4-7% slower at 64 tokens x 64 / 128
+  heads (the indices then have one chunk to land).
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
-  pass: nope warps 358 instructions (QK phase 146, softmax 61, PV 149), rope warp 375 (191 / 59
-  / 117); 2881 warp-instructions per chunk against 4194 before session 6 (bf16 kernel: 4776). The
-  nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu at 64 x
-  128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them fixed-latency
-  dependency waits, 2 warps per scheduler).
+  pass: nope warps 357 instructions (QK phase 146, softmax 60, PV 149), rope warp 374 (188 / 57
+  / 121); about 2870 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
+  4776). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
+  at 64 x 128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them
+  fixed-latency dependency waits, 2 warps per scheduler).
 - A single CTA alone on an SM takes about 1.4 us per chunk (``scripts/split_sweep.py``, one
-  split of 1 x 64 x 1024): the floor of the small calls, with the two kernel launches.
+  split of 1 x 64 x 1024): the floor of the small calls, with the two kernel launches. At
+  T=1 the fixed part dominates (session 7): a CUDA graph of one trivial kernel measures 4.6
+  us by the bench's method; ncu's warp samples of 1 x 128 x 1024 (two chunks per CTA) fall
+  about half before the main loop (kernel-parameter loads, the wait for Q and the indices,
+  the first rows' issue), 38% in the nope loop.
 - Tracing notes (CuTe DSL 4.8.1): a dict or namespace of DSL values passed into a helper with
   a dynamic branch has its entries rebound to the branch's results, which then escape their
   region (IR that does not verify): read such attributes into locals before a branch, and
@@ -121,11 +145,21 @@ RESCALE_LOG2 = 8.0
 # 117. The late copies then have less than a chunk to land, which the 16-head kernel's third
 # row stage covers; the 32-head kernel (two stages, not used by the dispatch) issues all 4 early.
 EARLY_ROW_GROUPS = {1: 1, 2: 4}
+# QK's n tiles (8 entries each) multiplied at once per warp, their MMA chains interleaved
+QK_TILES_AT_ONCE = 2
 
 
 def _smem_scalar(dtype, addr):
     return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=dtype.width // 8),
                             cute.make_layout(1))
+
+
+def _tree_sum(values: list):
+    """The sum of ``values`` (traced vectors) as a balanced tree of adds (a plain function:
+    its loop unrolls at trace time)."""
+    while len(values) > 1:
+        values = [values[k] + values[k + 1] for k in range(0, len(values) - 1, 2)] + values[len(values) - len(values) % 2:]
+    return values[0]
 
 
 @cute.jit
@@ -329,13 +363,40 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
 
     @cute.jit
     def _issue_rows(self, ctx, c: Int32, stage: Int32, buf: Int32):
-        """All of chunk ``c``'s rows and scales by the rope warp (other threads only locate):
-        the pipeline start's form (``_start_pipeline``); the main loop splits it."""
-        located = self._locate_rows(ctx, c, stage, buf)  # every ctx read before the branch
+        """Chunk ``c``'s rows and scales by all threads: the pipeline start's form
+        (``_start_pipeline``), where the first rows are on every call's critical path; the main
+        loop's gather is the rope warp's. The 8 consecutive threads of entry t // 8 locate
+        it and copy its 16-byte pieces t % 8, t % 8 + 8, ..; an invalid entry is zero-filled
+        (src-size 0). Warp 0 records the validity mask in ``sMask[buf]``."""
+        tidx, sMask = ctx.tidx, ctx.sMask
+        tpr = self.nthr // self.bn
+        pieces = ROW_BYTES // 16
+        pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
-        tidx = ctx.tidx
-        if tidx >= ROPE_WARP * 32:
-            self._copy_rows(stage_base, located, tidx % 32, range(self.bn // 8), scales=True)
+        e = tidx // tpr
+        r = tidx % tpr
+        slot = self._valid_slot(ctx, e, buf, pos0, limit, num_slots)
+        if tidx < 32:  # warp 0: one bit per entry (block_n == 32)
+            mask = cute.arch.vote_ballot_sync(self._valid_slot(ctx, tidx, buf, pos0, limit, num_slots) >= 0)
+            if tidx == 0:
+                sMask[buf] = mask
+        located = cutlass.max(slot, 0)
+        blk = Int32(cutlass.Uint32(located) // cutlass.Uint32(page))
+        off = located - blk * page
+        block_addr = base + Int64(blk) * block_stride
+        row_addr = block_addr + Int64(off) * ROW_BYTES
+        nbytes = Int32(slot >= 0) * 16
+        dst = stage_base + e * RAW_ROW_STRIDE
+        for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
+            piece = r + k * tpr
+            if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
+                cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
+            else:
+                if piece < pieces:
+                    cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
+        if r == tpr - 1:  # the entry's scales: by the thread with the fewest pieces
+            cp_async_zfill(stage_base + self.scale_off + e * SCALE_BYTES,
+                           block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES, SCALE_BYTES, nbytes // 2)
 
     @cute.jit
     def _start_next_chunk(self, ctx, c: Int32, c_end: Int32, step: Int32, lane: Int32):
@@ -382,6 +443,10 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         sbytes = cute.make_rmem_tensor(8, Int32)  # this thread's entries 8 nb + 2 q + i at 2 nb + i
         k_row = (lane % 8) * RAW_ROW_STRIDE + (lane // 8) * 16 + w * UNIT  # ldmatrix row of QK
         v_row = lane * RAW_ROW_STRIDE + w * UNIT  # ldmatrix.trans row of PV
+        # this thread's share of the first two chunks' rows (``_issue_rows``; the nope warps
+        # copy nothing later): chunk c_begin's landed before its barrier, c_begin + 1's at the
+        # end of the first iteration (later a wait for nothing)
+        cute.arch.cp_async_wait_group(1)
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
             buf = step % self.slots
@@ -399,17 +464,23 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             r_new = cutlass.max(r_old, warp_max_u32(mine))
             r_byte[0] = r_new
 
-            # S_w = Q_w K_w^T times each entry's scale
-            for nb in cutlass.range_constexpr(4):
-                kb = ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE, trans=False)
-                b = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
-                kf = [_scale_of_byte(sbytes[2 * nb + i]) for i in range(2)]
+            # S_w = Q_w K_w^T times each entry's scale; n tiles in pairs, their MMA chains
+            # interleaved (one tile at a time was a chain of 16 dependent MMAs per chunk)
+            for nb0 in cutlass.range_constexpr(0, 4, QK_TILES_AT_ONCE):
+                tiles = range(nb0, nb0 + QK_TILES_AT_ONCE)
+                b = {}
+                for nb in tiles:
+                    kb = ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE, trans=False)
+                    b[nb] = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
                 for m in cutlass.range_constexpr(mt):
-                    d = [Float32(0.0)] * 4
+                    d = {nb: [Float32(0.0)] * 4 for nb in tiles}
                     for i in cutlass.range_constexpr(4):
-                        d = mma_f16(d, [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[i])
-                    self._store_s_part(bases, w, m, nb, lane, [d[0] * kf[0], d[1] * kf[1], d[2] * kf[0],
-                                                               d[3] * kf[1]])
+                        for nb in tiles:
+                            d[nb] = mma_f16(d[nb], [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[nb][i])
+                    for nb in tiles:
+                        kf = [_scale_of_byte(sbytes[2 * nb + i]) for i in range(2)]
+                        self._store_s_part(bases, w, m, nb, lane, [d[nb][0] * kf[0], d[nb][1] * kf[1],
+                                                                   d[nb][2] * kf[0], d[nb][3] * kf[1]])
             cute.arch.sync_threads()
             moved = sync_threads_or(self._softmax_step(sm, bases, valid_rows, tidx))
 
@@ -431,6 +502,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             for _ in cutlass.range(moved | Int32(r_new != r_old), unroll=1):
                 self._rescale(acc_O, corr_base, _pow2_f32(r_old - r_new), g)
             self._nope_pv(acc_O, pa, stage_base + v_row)
+            cute.arch.cp_async_wait_group(0)
 
         self._finish_softmax(sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,
                              lse_stride_t, lse_stride_h, attn_sink)
@@ -504,16 +576,20 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             valid_rows = ctx.sMask[buf]
             if const_expr(self.early_row_groups > 0):
                 located = self._start_next_chunk(ctx, c, c_end, step, lane)
-            for nb in cutlass.range_constexpr(4):
-                kb = []
-                for x in cutlass.range_constexpr(2):
-                    kb += ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE + 64 * x, trans=False)
+            for nb0 in cutlass.range_constexpr(0, 4, QK_TILES_AT_ONCE):  # as in the nope role
+                tiles = range(nb0, nb0 + QK_TILES_AT_ONCE)
+                kb = {nb: [] for nb in tiles}
+                for nb in tiles:
+                    for x in cutlass.range_constexpr(2):
+                        kb[nb] += ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE + 64 * x, trans=False)
                 for m in cutlass.range_constexpr(mt):
-                    d = [Float32(0.0)] * 4
+                    d = {nb: [Float32(0.0)] * 4 for nb in tiles}
                     for i in cutlass.range_constexpr(4):
                         a = [qraw[((m * 4 + i) * 2 + (k % 2)) * 2 + k // 2] for k in range(4)]
-                        d = mma_bf16(d, a, kb[2 * i:2 * i + 2])
-                    self._store_s_part(bases, ROPE_WARP, m, nb, lane, d)
+                        for nb in tiles:
+                            d[nb] = mma_bf16(d[nb], a, kb[nb][2 * i:2 * i + 2])
+                    for nb in tiles:
+                        self._store_s_part(bases, ROPE_WARP, m, nb, lane, d[nb])
             cute.arch.sync_threads()
             moved = sync_threads_or(self._softmax_step(sm, bases, valid_rows, tidx))
             # the rest of the next chunk's gather here: the rope warp's shortest phase
@@ -602,14 +678,15 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         when the row's reference max moved (``RESCALE_LOG2``), else 0."""
         ept, tpr = self._softmax_geometry()
         hrow, j0, run = sm.hrow, sm.j0, sm.run
+        parts = []  # the 7 nope partials then the rope one, each [ept]
+        for w in cutlass.range_constexpr(F16_WARPS):
+            v = cute.make_rmem_tensor(ept, Float32)
+            cute.autovec_copy(_smem_vec(Float32, bases.s + ((w * self.hb + hrow) * F16_S_ROW + j0) * 4, ept), v)
+            parts.append(v.load())
         part = cute.make_rmem_tensor(ept, Float32)
+        part.store(parts.pop())
         acc = cute.make_rmem_tensor(ept, Float32)
-        acc.fill(0.0)
-        for w in cutlass.range_constexpr(ROPE_WARP):
-            cute.autovec_copy(_smem_vec(Float32, bases.s + ((w * self.hb + hrow) * F16_S_ROW + j0) * 4, ept), part)
-            acc.store(acc.load() + part.load())
-        cute.autovec_copy(_smem_vec(Float32, bases.s + ((ROPE_WARP * self.hb + hrow) * F16_S_ROW + j0) * 4, ept),
-                          part)
+        acc.store(_tree_sum(parts))  # 3 dependent adds, not 6
         m_chunk = -Float32.inf
         for e in cutlass.range_constexpr(ept):
             s = acc[e] * sm.nope_fac + part[e] * sm.rope_fac
