@@ -96,6 +96,9 @@ class LoopMix:
     # MMA, such as the "f16" kernel's 0-or-1-pass rescale, which a chunk runs only when a
     # softmax max moved): ``instructions - nested`` is the pass that skips them
     nested: int = 0
+    # MMAs whose accumulator input is the output of the MMA just before them in program
+    # order: each waits for that one's whole latency (two or more interleaved chains hide it)
+    chained_mma: int = 0
 
 
 _SHARED_MEMORY_OPS = ("LDS", "STS", "LDSM", "LDGSTS")
@@ -133,9 +136,25 @@ def _backward_loops(body, label_addr) -> list:
     return loops
 
 
+_MMA_OPERANDS = re.compile(r"^(?:@!?U?P\w+\s+)?[A-Z]*MMA\S*\s+(R\d+),\s*(R\d+),\s*(R\d+),\s*(R\d+|RZ)")
+
+
+def _chained_mma(texts) -> int:
+    """How many MMAs of ``texts`` (in program order) take the previous MMA's D register as
+    their accumulator C (``HMMA D, A, B, C``)."""
+    chained, previous_d = 0, None
+    for text in texts:
+        m = _MMA_OPERANDS.match(text)
+        if m:
+            chained += m.group(4) == previous_d
+            previous_d = m.group(1)
+    return chained
+
+
 def _mix(body, start: int, end: int, inner=()) -> LoopMix:
     ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in body if start <= a <= end]
     return LoopMix(
+        chained_mma=_chained_mma(t for a, t in body if start <= a <= end),
         nested=sum(1 for a, _ in body if any(s <= a <= e for s, e in inner)),
         instructions=len(ops),
         mma=sum(1 for o in ops if re.match(r"[A-Z]*MMA\b|[A-Z]*MMA\.", o)),

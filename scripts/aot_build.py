@@ -56,7 +56,7 @@ def _build_one(variant: KernelVariant, out_dir: str) -> dict:
 
 def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_cubin_"))
-    from cute_kernels.sass_check import inspect_cubin
+    from cute_kernels.sass_check import disassemble, inspect_cubin, mma_loops
     from cute_kernels.sparse_mla_decode.config import SMEM_LIMIT_BYTES
     from dispatch.loader import compile_variant, export_variant
 
@@ -68,6 +68,9 @@ def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
         "registers": rep.registers, "static_smem_bytes": rep.static_smem_bytes, "dynamic_smem_bytes": dynamic,
         "local_bytes": rep.local_bytes, "stack_bytes": rep.stack_bytes,
         "local_memory_instructions": rep.local_memory_instructions, "mma": rep.mma_counts,
+        # per main loop (one per warp role in the "f16" kernel): MMAs right after the MMA whose
+        # output they accumulate onto (``LoopMix.chained_mma``)
+        "chained_mma": [loop.chained_mma for loop in mma_loops(disassemble(compiled.artifacts.CUBIN))],
     }
     problems = []
     if variant.arch in DEPLOYMENT_ARCHS:  # the SM120 targets: their binaries are what ships

@@ -49,3 +49,7 @@ def _check_build(variant, tmp_path, monkeypatch):
         }[variant.config.precision]
         assert res["mma"] == expected
         assert res["registers"] <= variant.config.max_registers
+        if variant.config.precision == "f16":
+            # QK's n tiles two at a time (partial_f16.QK_TILES_AT_ONCE): no MMA of either role
+            # waits on the one just before it (one tile at a time: 12 per role and chunk)
+            assert res["chained_mma"] == [0, 0]

@@ -84,3 +84,24 @@ def test_mma_loops_counts_a_nested_loop_without_mma_apart():
     assert (loop.instructions, loop.mma, loop.nested) == (8, 2, 3)
     (role,) = [m for m in mma_loops(TWO_ROLES) if m.mma == 1]
     assert role.nested == 0
+
+
+CHAINS = """
+.L_x_0:
+        /*0000*/                   HMMA.16816.F32 R20, R32, R20, RZ ;
+        /*0010*/                   NOP ;
+        /*0020*/                   HMMA.16816.F32 R20, R36, R16, R20 ;
+        /*0030*/                   HMMA.16816.F32 R24, R36, R16, R24 ;
+        /*0040*/                   F2FP.F16.E4M3.UNPACK_B R16, R17 ;
+        /*0050*/                   HMMA.16816.F32 R28, R40, R16, R24 ;
+        /*0060*/                   HMMA.16816.F32 R24, R40, R18, R20 ;
+        /*0070*/              @P0 HMMA.16816.F32.BF16 R2, R40, R18, R24 ;
+        /*0080*/              @P0 BRA `(.L_x_0) ;
+"""
+
+
+def test_chained_mma_counts_each_mma_fed_by_the_one_just_before():
+    # 0x20 takes 0x00's R20 (a NOP between does not break it), 0x50 takes 0x30's R24 (an
+    # F2FP between), 0x70 (predicated) takes 0x60's R24; 0x30 and 0x60 read other registers
+    (loop,) = mma_loops(CHAINS)
+    assert (loop.mma, loop.chained_mma) == (6, 3)

@@ -85,11 +85,11 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   8 x 128 x 1024 25.5 -> 24.9, T=1 unchanged. Four tiles at once: 40 more instructions per
   chunk at the 128-register bound (not measured). Tried and not kept: (a) a software-pipelined
   loop (chunk c's PV in one block with chunk c + 1's QK, two barriers per chunk instead of
-  three): 164 registers; held to 128 it spills, ~10% slower; unbounded (one CTA per SM on the
-  H200) no faster than this kernel at one CTA per SM; ~40 more register moves per chunk where
+  three): 164 registers; held to 128 it spills, 5-14% slower; unbounded (one CTA per SM on the
+  H200) 0-9% slower than this kernel at one CTA per SM; ~40 more register moves per chunk where
   the rescale loop joins; (b) the rope warp locating chunk c + 3 in chunk c's PV phase (its QK
-  phase 192 -> 135 instructions, indices 4 chunks ahead): 4-7% slower at 64 tokens x 64 / 128
-  heads (the indices then have one chunk to land).
+  phase 192 -> 135 instructions, indices 4 chunks ahead): 3-7.5% slower at 64 tokens x 64 /
+  128 heads (the indices then have one chunk to land).
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
   pass: nope warps 357 instructions (QK phase 146, softmax 60, PV 149), rope warp 374 (188 / 57
   / 121); about 2870 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
@@ -443,10 +443,11 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         sbytes = cute.make_rmem_tensor(8, Int32)  # this thread's entries 8 nb + 2 q + i at 2 nb + i
         k_row = (lane % 8) * RAW_ROW_STRIDE + (lane // 8) * 16 + w * UNIT  # ldmatrix row of QK
         v_row = lane * RAW_ROW_STRIDE + w * UNIT  # ldmatrix.trans row of PV
-        # this thread's share of the first two chunks' rows (``_issue_rows``; the nope warps
-        # copy nothing later): chunk c_begin's landed before its barrier, c_begin + 1's at the
-        # end of the first iteration (later a wait for nothing)
-        cute.arch.cp_async_wait_group(1)
+        # this thread's share of the first stages - 1 chunks' rows (``_issue_rows``, one
+        # cp.async group each; the nope warps copy nothing later): chunk c_begin's landed
+        # before its barrier, the next one's at the end of the first iteration (later a wait
+        # for nothing)
+        cute.arch.cp_async_wait_group(self.stages - 2)
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
             buf = step % self.slots
