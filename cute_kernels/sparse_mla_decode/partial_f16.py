@@ -79,8 +79,9 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   leaving): 8 and 64 tokens 1-3% faster, T=1 within noise (+-0.3 us); an earlier form with
   the nope warps' wait in a branch at every chunk head was 0.5-1% slower at 64 tokens, and a
   form without their wait was faster still but raced (caught by the suite's two-run check);
-  (2) QK's n tiles two at a time: the SASS had each warp's 16 QK MMAs as one dependent chain
-  (one accumulator register set reused across the tiles), now two interleaved chains of 8,
+  (2) QK's n tiles two at a time: one tile at a time, the SASS had each warp's 16 QK MMAs
+  back to back on one accumulator register set (12 of them waiting on the MMA just before:
+  ``sass_check.LoopMix.chained_mma``), now two chains of 4 interleave (0 waiting), the
   same instruction count: 64 x 128 x 1024 117.1 -> 111.9 us, 64 x 64 x 1024 62.0 -> 59.4,
   8 x 128 x 1024 25.5 -> 24.9, T=1 unchanged. Four tiles at once: 40 more instructions per
   chunk at the 128-register bound (not measured). Tried and not kept: (a) a software-pipelined
@@ -145,7 +146,10 @@ RESCALE_LOG2 = 8.0
 # 117. The late copies then have less than a chunk to land, which the 16-head kernel's third
 # row stage covers; the 32-head kernel (two stages, not used by the dispatch) issues all 4 early.
 EARLY_ROW_GROUPS = {1: 1, 2: 4}
-# QK's n tiles (8 entries each) multiplied at once per warp, their MMA chains interleaved
+# QK's n tiles (8 entries each, 4 per chunk) multiplied at once per warp, their chains of 4
+# dependent MMAs interleaved (``tests/test_compile_sm120.py`` checks that no MMA of the f16
+# loops follows the one it accumulates onto). 4 at once: 40 more instructions per chunk at
+# the 128-register bound.
 QK_TILES_AT_ONCE = 2
 
 
@@ -466,7 +470,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             r_byte[0] = r_new
 
             # S_w = Q_w K_w^T times each entry's scale; n tiles in pairs, their MMA chains
-            # interleaved (one tile at a time was a chain of 16 dependent MMAs per chunk)
+            # interleaved (one tile at a time, ptxas issued the 16 MMAs back to back on one
+            # accumulator, each waiting for the one before)
             for nb0 in cutlass.range_constexpr(0, 4, QK_TILES_AT_ONCE):
                 tiles = range(nb0, nb0 + QK_TILES_AT_ONCE)
                 b = {}
