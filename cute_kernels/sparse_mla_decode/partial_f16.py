@@ -327,7 +327,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
     # (``_rope_role``).
 
     @cute.jit
-    def _locate_rows(self, ctx, c: Int32, stage: Int32, buf: Int32):
+    def _locate_rows(self, ctx, c: Int32, buf: Int32):
         """(validity mask, this lane's row address, its scales' address) of chunk ``c``, whose
         indices are in ``sIdx[:, buf]``; the mask also into ``sMask[buf]`` (by thread
         ROPE_WARP * 32). An invalid entry gets slot 0's addresses (the copies read nothing)."""
@@ -414,7 +414,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             self._issue_indices(ctx, c + ahead + 1, (step + ahead + 1) % self.slots)
         cute.arch.cp_async_commit_group()
         stage = (step + ahead) % self.stages
-        located = self._locate_rows(ctx, c + ahead, stage, (step + ahead) % self.slots)
+        located = self._locate_rows(ctx, c + ahead, (step + ahead) % self.slots)
         stage_base = ctx.raw_base + stage * self.stage_bytes
         if const_expr(self.early_row_groups > 0):
             if c + ahead < c_end:
