@@ -46,6 +46,15 @@ Measured facts (BENCHMARKS.md has the runs):
   branch: ptxas predicated both sides into every warp's stream (1000+ loop instructions).
   Every warp now runs the same code. Q operands held in registers across the loop pushed
   the one-group partial-mode kernel to 255 registers with spills; from shared memory: 0.
+- QK's n tiles two at a time (``QK_TILES_AT_ONCE``, session 8, 2026-12-01): one at a time,
+  ptxas issued each tile's 4 e4m3 MMAs back to back on one accumulator (23 of a chunk's MMAs
+  waiting on the one just before in "fp8", 22 in "mxf8": ``sass_check.LoopMix.chained_mma``);
+  now 0, and the sm_120a main loop (one head group, split mode) 931 -> 902 instructions
+  ("fp8", 212 -> 220 registers) and 847 -> 824 ("mxf8", 198 registers), no spills. On the
+  H200, where each e4m3 MMA is emulated (above), it measured 1-3% slower in one lease
+  (``scripts/bench.py --precision fp8 --tokens 8,64``: 64 x 128 x 1024 281.7 -> 290.4 us,
+  8 x 16 x 128 13.4 -> 13.6); kept for sm_120, where the chains are real e4m3 MMAs (the
+  "f16" kernel's same change was 4-5% faster on the H200); not measured on an SM120 GPU.
 - Accuracy (GPU suite, 27 cases): out relative L2 error 0.7e-2 .. 2.1e-2 per token, lse
   at most 1.4e-6; the model of this rounding predicts the same (README "Precision").
 """
@@ -67,6 +76,7 @@ from .warp_ops import (
 )
 
 UNIT = 64  # columns per nope unit: one scale tile
+QK_TILES_AT_ONCE = 2  # QK's 8-entry n tiles taken together (``_qk_nope``)
 P_HEADROOM_LOG2 = 8  # P' = P * 2**(b - R + 8) <= 256: inside e4m3's range, 8 binades above P
 
 
@@ -377,27 +387,39 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
         quad column 0), accumulating straight into S."""
         qr = _load_regs(q_frag + 4 * u * 32 * 16, 16)  # hi: qr[0:8], lo: qr[8:16]
         row_addr = unit_base + (lane % 8) * RAW_ROW_STRIDE + (lane // 8) * 16
-        for j in cutlass.range_constexpr(4):
-            kb = ldsm_x4(row_addr + 8 * j * RAW_ROW_STRIDE, trans=False)  # k32 step 0: kb[0:2], step 1: kb[2:4]
+        # n tiles two at a time: one at a time, ptxas issued each tile's 4 MMAs back to back,
+        # each waiting on the one before (``LoopMix.chained_mma``); two interleaved chains
+        # leave none waiting, with every output element's order of operations unchanged
+        for j0 in cutlass.range_constexpr(0, 4, QK_TILES_AT_ONCE):
+            js = range(j0, j0 + QK_TILES_AT_ONCE)
+            kb = {j: ldsm_x4(row_addr + 8 * j * RAW_ROW_STRIDE, trans=False) for j in js}  # k32 steps 0, 1: [0:2], [2:4]
             if const_expr(self.cfg.precision == "mxf8"):
-                d = [acc_S[4 * j + k] for k in range(4)]
-                sfb = bscale[j] >> (8 * u)
+                d = {j: [acc_S[4 * j + k] for k in range(4)] for j in js}
+                sfb = {j: bscale[j] >> (8 * u) for j in js}
                 for s in cutlass.range_constexpr(2):
-                    d = mma_mxf8(d, qr[8 + 4 * s:12 + 4 * s], kb[2 * s:2 * s + 2], Int32(UE8M0_BIAS - 4), sfb)
+                    for j in js:
+                        d[j] = mma_mxf8(d[j], qr[8 + 4 * s:12 + 4 * s], kb[j][2 * s:2 * s + 2], Int32(UE8M0_BIAS - 4),
+                                        sfb[j])
                 for s in cutlass.range_constexpr(2):
-                    d = mma_mxf8(d, qr[4 * s:4 * s + 4], kb[2 * s:2 * s + 2], Int32(UE8M0_BIAS), sfb)
-                for k in cutlass.range_constexpr(4):
-                    acc_S[4 * j + k] = d[k]
+                    for j in js:
+                        d[j] = mma_mxf8(d[j], qr[4 * s:4 * s + 4], kb[j][2 * s:2 * s + 2], Int32(UE8M0_BIAS), sfb[j])
+                for j in js:
+                    for k in cutlass.range_constexpr(4):
+                        acc_S[4 * j + k] = d[j][k]
             else:
-                t = [Float32(0.0)] * 4
+                t = {j: [Float32(0.0)] * 4 for j in js}
                 for s in cutlass.range_constexpr(2):
-                    t = mma_e4m3(t, qr[8 + 4 * s:12 + 4 * s], kb[2 * s:2 * s + 2])
-                t = [x * (1.0 / 16.0) for x in t]
+                    for j in js:
+                        t[j] = mma_e4m3(t[j], qr[8 + 4 * s:12 + 4 * s], kb[j][2 * s:2 * s + 2])
+                for j in js:
+                    t[j] = [x * (1.0 / 16.0) for x in t[j]]
                 for s in cutlass.range_constexpr(2):
-                    t = mma_e4m3(t, qr[4 * s:4 * s + 4], kb[2 * s:2 * s + 2])
-                kfac = [f32_from_bits(((sbytes[2 * j + i] >> (8 * u)) & 0xFF) << 23) for i in range(2)]
-                for k in cutlass.range_constexpr(4):
-                    acc_S[4 * j + k] = acc_S[4 * j + k] + t[k] * kfac[k % 2]
+                    for j in js:
+                        t[j] = mma_e4m3(t[j], qr[4 * s:4 * s + 4], kb[j][2 * s:2 * s + 2])
+                for j in js:
+                    kfac = [f32_from_bits(((sbytes[2 * j + i] >> (8 * u)) & 0xFF) << 23) for i in range(2)]
+                    for k in cutlass.range_constexpr(4):
+                        acc_S[4 * j + k] = acc_S[4 * j + k] + t[j][k] * kfac[k % 2]
 
     @cute.jit
     def _qk_rope(self, acc_S, q_frag, rope_base, lane):
