@@ -10,6 +10,9 @@ from cute_kernels.sparse_mla_decode.config import REGISTERS_PER_SM, MergeConfig,
 # (scripts/bench.py, 2026-11-29) T=1 went from 17.9-20.4 us to 13.3-19.2 us against a
 # minimum of 2 chunks, and no shape of the grid got slower beyond noise (< 1%).
 MIN_CHUNKS_PER_SPLIT = 1
+# A plan whose CTAs would have this many chunks or fewer, two to an SM, runs one CTA per SM
+# with more chunks instead (``plan_splits``)
+MAX_CHUNKS_TWO_PER_SM = 2
 # The merge kernel combines at most this many splits (one of its threads per split).
 MAX_SPLITS = MergeConfig().max_splits
 DRIVER_SMEM_PER_CTA = 1024
@@ -40,10 +43,14 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     One wave rather than several: a CTA with more chunks overlaps the gather of each chunk
     with the work on the previous one, and the merge has fewer splits to combine.
 
-    Where that would put two single-chunk CTAs on an SM, one CTA per SM with two chunks
-    instead: measured on the H200 (``scripts/split_sweep.py``, BENCHMARKS.md) 1 x 128 x 1024
-    went from 18.3 to 16.0 us and 8 x 16 x 1024 from 19.3 to 16.4 us; a single-chunk CTA has
-    nothing to overlap its gather with. (On sm_120 an SM holds one CTA anyway.)"""
+    Where that would put two CTAs of at most ``MAX_CHUNKS_TWO_PER_SM`` chunks on an SM, one
+    CTA per SM with twice the chunks instead: measured on the H200 (``scripts/split_sweep.py``,
+    BENCHMARKS.md) 1 x 128 x 1024 went from 18.3 to 16.0 us and 8 x 16 x 1024 from 19.3 to
+    16.4 us (one chunk per CTA: nothing to overlap its gather with), and 8 x 64 x 512 from
+    16.3 to 15.2 us (two chunks; with four, 8 x 128 x 512, two CTAs per SM stay 4% faster).
+    And where one CTA per SM then leaves only two splits, one split (final mode, no merge
+    kernel): 64 x 16 x 128 14.1 -> 12.8 us (the merge of 64 x 16 rows costs more than two
+    more chunks). (On sm_120 an SM holds one CTA anyway.)"""
     block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
     base_ctas = num_tokens * -(-num_heads // cfg.heads_per_cta)
@@ -54,6 +61,8 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
         return SplitPlan(num_chunks, per_split, -(-num_chunks // per_split))
 
     plan = split_for(resident_ctas_per_sm(cfg, smem_per_sm) * num_sms)
-    if plan.chunks_per_split == 1 and base_ctas * plan.num_splits > num_sms:
+    if plan.chunks_per_split <= MAX_CHUNKS_TWO_PER_SM and base_ctas * plan.num_splits > num_sms:
         plan = split_for(num_sms)
+        if plan.num_splits == 2:
+            plan = SplitPlan(num_chunks, num_chunks, 1)
     return plan
