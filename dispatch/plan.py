@@ -84,7 +84,7 @@ class DecodePlan:
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
         shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision,
-                                     entries=call.topk + call.extra_topk)
+                                     entries=call.topk + call.extra_topk, smem_per_sm=call.smem_per_sm)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
                                  num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
         self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups,

@@ -24,6 +24,7 @@ from cute_kernels.sparse_mla_decode.config import (
 )
 
 from .metadata import DecodeMetadata
+from .splits import resident_ctas_per_sm
 
 DEFAULT_PRECISION = "f16"
 
@@ -45,47 +46,62 @@ class KernelVariant:
 
 
 # Two head groups with splits from this many 16-head blocks per call (tokens x ceil(heads /
-# 16)) and this many entries per token (topk + extra_topk) up.
+# 16)) and this many entries per token (topk + extra_topk) up: the precisions but "f16" ...
 TWO_GROUPS_MIN_BLOCKS = 32
 TWO_GROUPS_MIN_ENTRIES = 256
+# ... and "f16" where an SM holds one of its 16-head CTAs anyway (sm_120)
+F16_TWO_GROUPS_MIN_BLOCKS = 64
+F16_TWO_GROUPS_MIN_ENTRIES = 512
 
 
-def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: int,
+def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: int, smem_per_sm: int,
                     precision: str = DEFAULT_PRECISION) -> int:
     """16-head groups per CTA.
 
-    "f16": one, always. Measured on the H200 (BENCHMARKS.md, ``scripts/bench.py
-    --head-groups 2``, 2026-12-01, after the gather moved to the rope warp and the
-    one-group kernel got a third row stage): 32-head CTAs were 1-4% slower on 11 of the
-    12 shapes of 64 and 256 tokens x 64/128 heads (1% faster on one) and up to 19% slower at
-    1 and 8 tokens; the one-group kernel runs two 256-thread CTAs per SM there. (The kernel
-    still builds with two groups, for measuring on sm_120, where either shape runs one CTA
-    per SM: ``scripts/bench.py --head-groups 2``.)
+    16 or fewer heads: one (they do not pay for 32).
+
+    "f16": one where an SM holds two of its 16-head CTAs (the H200: ``resident_ctas_per_sm``
+    with ``smem_per_sm``); there, measured (BENCHMARKS.md, ``scripts/bench.py --head-groups
+    2``, 2026-12-01), 32-head CTAs (one per SM: 208 registers) were 1-4% slower on 11 of the
+    12 shapes of 64 and 256 tokens x 64/128 heads and up to 19% slower at 1 and 8 tokens.
+    Where an SM holds one 16-head CTA anyway (sm_120: 100 KB of shared memory per SM), two
+    groups when the 16-head blocks outnumber the SMs or there are at least
+    ``F16_TWO_GROUPS_MIN_BLOCKS`` of them with ``F16_TWO_GROUPS_MIN_ENTRIES`` entries per token:
+    measured on the H200 with its 16-head CTAs held to one per SM (session 8, BENCHMARKS.md;
+    sm_120's occupancy, not an sm_120 measurement), 32-head CTAs were 1.27-1.39x faster at
+    64 and 256 tokens x 64/128 heads, 1.03-1.12x at 8 x 128 with 512+ entries, 0.91x at
+    8 x 128 x 128 and 0.92-1.01x at 8 x 64 (each gathered byte becomes an MMA operand once
+    for 32 heads: 129 instead of 180 warp-instructions per head and chunk in the sm_120a SASS).
 
     The other precisions: two (each gathered and dequantized row then serves 32 heads)
     when there are more than 16 heads and either the 16-head blocks alone outnumber the SMs
     (no split needed) or there are at least ``TWO_GROUPS_MIN_BLOCKS`` of them and at least
-    ``TWO_GROUPS_MIN_ENTRIES`` entries per token; one otherwise (16 or fewer heads do not pay
-    for 32, and a small call, latency-bound, gets more, lighter CTAs). Measured on the H200
-    (BENCHMARKS.md, ``scripts/split_sweep.py --head-groups 2``): with splits, 32-head CTAs
-    are 1-6% faster at 8 tokens x 64/128 heads with 512+ entries, 2-10% slower there with
-    128 entries and 1-9% slower at 1 token; without a split they were the better choice."""
+    ``TWO_GROUPS_MIN_ENTRIES`` entries per token; one otherwise (a small call, latency-bound,
+    gets more, lighter CTAs). Measured on the H200 (BENCHMARKS.md, ``scripts/split_sweep.py
+    --head-groups 2``): with splits, 32-head CTAs are 1-6% faster at 8 tokens x 64/128 heads
+    with 512+ entries, 2-10% slower there with 128 entries and 1-9% slower at 1 token;
+    without a split they were the better choice."""
     blocks = num_tokens * -(-num_heads // 16)
     if num_heads <= 16:
         return 1
     if precision == "f16":
-        return 1
-    if blocks > num_sms or (blocks >= TWO_GROUPS_MIN_BLOCKS and entries >= TWO_GROUPS_MIN_ENTRIES):
+        if resident_ctas_per_sm(PartialConfig(precision="f16"), smem_per_sm) > 1:
+            return 1
+        min_blocks, min_entries = F16_TWO_GROUPS_MIN_BLOCKS, F16_TWO_GROUPS_MIN_ENTRIES
+    else:
+        min_blocks, min_entries = TWO_GROUPS_MIN_BLOCKS, TWO_GROUPS_MIN_ENTRIES
+    if blocks > num_sms or (blocks >= min_blocks and entries >= min_entries):
         return 2
     return 1
 
 
 def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
-                         precision: str = DEFAULT_PRECISION, *, entries: int) -> PartialConfig:
+                         precision: str = DEFAULT_PRECISION, *, entries: int, smem_per_sm: int) -> PartialConfig:
     """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
-    call: what the split plan depends on (the flags of a variant do not change its resources)."""
+    call on a GPU of ``num_sms`` SMs with ``smem_per_sm`` bytes of shared memory each: what
+    the split plan depends on (the flags of a variant do not change its resources)."""
     return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms, entries=entries,
-                                                     precision=precision),
+                                                     smem_per_sm=smem_per_sm, precision=precision),
                          precision=precision)
 
 
@@ -136,15 +152,12 @@ _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sin
 
 
 def variant_space(arch: str) -> list[KernelVariant]:
-    """Every variant the dispatch can select for ``arch``.
-
-    "f16" has no two-group variants: ``head_groups_for`` never picks them."""
+    """Every variant the dispatch can select for ``arch``."""
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p), arch)
         for p, g, a, b, (f, s) in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
                                                     _MODES)
-        if not (p == "f16" and g == 2)
     ]
     out += [KernelVariant(MergeConfig(has_sink=s, split_batch=b), arch) for s in (False, True) for b in MERGE_BATCHES]
     return out

@@ -106,7 +106,7 @@ def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict,
     """(estimate, issue_us, memory_us) for one shape on ``dev``; ``instrs`` from
     ``loop_instructions(precision)``."""
     topk, extra = list_lengths(shape)
-    cfg = partial_shape_config(H, T, dev.num_sms, precision, entries=topk + extra)
+    cfg = partial_shape_config(H, T, dev.num_sms, precision, entries=topk + extra, smem_per_sm=dev.smem_per_sm)
     split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
     head_blocks = -(-H // cfg.heads_per_cta)
     ctas = T * head_blocks * split.num_splits

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
         q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
         call = api.validate_call(q, cache, idx, **kw)
         cfg = partial_shape_config(H, T, props.multi_processor_count, precision or DEFAULT_PRECISION,
-                                   entries=call.topk + call.extra_topk)
+                                   entries=call.topk + call.extra_topk,
+                                   smem_per_sm=props.shared_memory_per_multiprocessor)
         if groups:
             cfg = dataclasses.replace(cfg, head_groups=groups)
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,

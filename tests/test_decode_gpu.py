@@ -199,11 +199,53 @@ def test_decode_matches_reference(case: Case, precision: str):
         "two runs on the same inputs differ: a race"
     props = torch.cuda.get_device_properties(device)
     cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision,
-                               entries=case.topk + (case.extra_topk or 0))
+                               entries=case.topk + (case.extra_topk or 0),
+                               smem_per_sm=props.shared_memory_per_multiprocessor)
     plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, cfg=cfg,
                        num_sms=props.multi_processor_count, smem_per_sm=props.shared_memory_per_multiprocessor)
     rel, lse_err = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse, precision)
     ACCURACY.append((f"{precision} groups={cfg.head_groups} splits={plan.num_splits} {case}", rel, lse_err))
+
+
+# "f16" with two head groups (32-head CTAs): what the dispatch picks on sm_120 for many heads
+# (``head_groups_for``), forced here on whatever GPU runs the suite
+TWO_GROUP_CASES = [c for c in CASES if c.H > 16] + [
+    Case(T=4, H=48, topk=512, extra_topk=128, sink="mixed", invalid=0.1, lengths="edge", extra_lengths="random"),
+    Case(T=3, H=20, topk=96, empty_tokens=True, sink="-inf", spread=8),
+]
+
+
+@pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
+def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
+    import dataclasses as dc
+
+    import dispatch.plan as plan_mod
+    from dispatch import plan_sparse_mla_decode
+
+    shape_config = plan_mod.partial_shape_config
+    monkeypatch.setattr(plan_mod, "partial_shape_config",
+                        lambda *a, **k: dc.replace(shape_config(*a, **k), head_groups=2))
+    device = torch.device("cuda")
+    q, cache, idx, kw = build_inputs(case, device)
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    call_q, call_idx, lead = q, idx, (case.T,)
+    if case.q4d:
+        call_q, call_idx, lead = q.unsqueeze(1), idx.unsqueeze(1), (case.T, 1)
+    call_kw = {k: v for k, v in kw.items() if k != "sm_scale"}
+    outs = [(torch.full((*lead, case.H, 512), math.nan, dtype=torch.bfloat16, device=device),
+             torch.full((*lead, case.H), math.nan, dtype=torch.float32, device=device)) for _ in range(2)]
+    plan = plan_sparse_mla_decode(call_q, cache, call_idx, precision="f16", out=outs[0][0], lse=outs[0][1],
+                                  **call_kw)
+    assert plan.variants[0].config.head_groups == 2
+    scratch = plan.new_scratch()
+    for out, lse in outs:
+        plan.run(call_q, cache, call_idx, out=out, lse=lse, scratch=scratch, sm_scale=kw["sm_scale"], **call_kw)
+    torch.cuda.synchronize()
+    got = [(o.reshape(case.T, case.H, 512), l.reshape(case.T, case.H)) for o, l in outs]
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), \
+        "two runs on the same inputs differ: a race"
+    rel, lse_err = check_against_reference(got[0][0], got[0][1], ref_out, ref_lse, "f16")
+    ACCURACY.append((f"f16 groups=2 (forced) splits={plan.split.num_splits} {case}", rel, lse_err))
 
 
 def test_allocates_outputs_with_leading_shape():

@@ -41,16 +41,17 @@ def test_shapes_do_not_reach_the_key():
                                                         (0, 8192), (2, 64, 256)):
             md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page,
                                 extra_topk=extra)
-            groups = head_groups_for(H, T, num_sms=188, entries=topk + extra, precision=precision)
+            groups = head_groups_for(H, T, num_sms=188, entries=topk + extra, smem_per_sm=SM120_SMEM_PER_SM,
+                                     precision=precision)
             keys.setdefault(groups, set()).add((variants_for(md, "sm_120a", 1, groups, precision),
                                                 variants_for(md, "sm_120a", 4, groups, precision)))
         assert all(len(k) == 1 for k in keys.values())
-        assert set(keys) == ({1, 2} if precision == "bf16" else {1})  # "f16": one group always
+        assert set(keys) == {1, 2}
 
 
 def test_head_groups_follow_heads_and_load():
     def bf16(*args, **kw):
-        return head_groups_for(*args, precision="bf16", **kw)
+        return head_groups_for(*args, precision="bf16", smem_per_sm=SM120_SMEM_PER_SM, **kw)
 
     assert bf16(16, 4096, 188, entries=512) == 1  # 16 heads or fewer: one group
     assert bf16(128, 1, 188, entries=2048) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
@@ -61,9 +62,21 @@ def test_head_groups_follow_heads_and_load():
     assert bf16(64, 34, 132, entries=64) == 2  # more blocks than SMs: no split, two groups
     assert bf16(64, 33, 132, entries=64) == 1  # 132 blocks: splits come in, 64 entries
     assert bf16(17, 200, 188, entries=1) == 2
-    # "f16" (the default): one group for every shape (measured)
+    # "f16" (the default) where an SM holds two 16-head CTAs (the H200): one group for every
+    # shape (measured)
     for H, T in ((16, 4096), (128, 4), (128, 8), (64, 34), (128, 256), (17, 200)):
-        assert head_groups_for(H, T, 132, entries=1024) == 1
+        assert head_groups_for(H, T, 132, entries=1024, smem_per_sm=H200_SMEM_PER_SM) == 1
+
+    # ... and where it holds one (sm_120): 32-head CTAs for many heads (measured at that occupancy)
+    def f16(*args, **kw):
+        return head_groups_for(*args, smem_per_sm=SM120_SMEM_PER_SM, **kw)
+
+    assert f16(16, 4096, 188, entries=1024) == 1  # 16 heads: one group
+    assert f16(64, 64, 188, entries=128) == 2  # 256 blocks > 188 SMs
+    assert f16(128, 8, 188, entries=512) == 2  # 64 blocks, 512 entries
+    assert f16(128, 8, 188, entries=128) == 1  # ... but not 128 entries
+    assert f16(64, 8, 188, entries=1024) == 1  # 32 blocks
+
 
 
 def test_variant_names_hold_every_code_generating_field():
@@ -89,7 +102,7 @@ def _another(value):
                                             (7, 1, 1, 0), (64, 64, 512, 512), (4096, 8, 100, 33),
                                             (1, 8, 8192, 8192)])
 def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
-    cfg = partial_shape_config(H, T, 188, entries=topk + extra)
+    cfg = partial_shape_config(H, T, 188, entries=topk + extra, smem_per_sm=SM120_SMEM_PER_SM)
     plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=188, smem_per_sm=SM120_SMEM_PER_SM)
     assert plan.num_chunks == math.ceil(topk / 32) + math.ceil(extra / 32)
     assert 1 <= plan.num_splits <= MAX_SPLITS  # the merge kernel has one thread per split
@@ -97,6 +110,25 @@ def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
     assert (plan.num_splits - 1) * plan.chunks_per_split < plan.num_chunks
     if T * math.ceil(H / cfg.heads_per_cta) >= 188:  # sm_120: one CTA per SM
         assert plan.num_splits == 1
+
+
+def test_split_plans_follow_the_h200_measurements():
+    """The splits ``plan_splits`` picks on the H200 (132 SMs, two 16-head "f16" CTAs per SM)
+    where ``scripts/split_sweep.py`` measured the choice (BENCHMARKS.md)."""
+    expected = {  # (T, H, topk, extra): (chunks per split, splits)
+        (1, 16, 128, 0): (1, 4),  # single-chunk CTAs, few: as many splits as chunks
+        (1, 128, 1024, 0): (2, 16),  # single-chunk CTAs would be two per SM: one per SM, two chunks
+        (8, 16, 1024, 0): (2, 16),
+        (8, 64, 512, 0): (4, 4),  # two-chunk CTAs two per SM: one per SM, four chunks (16.1 -> 14.9 us)
+        (8, 128, 512, 0): (4, 4),  # four chunks: two CTAs per SM stay
+        (8, 128, 1024, 0): (8, 4),
+        (64, 16, 128, 0): (4, 1),  # one CTA per SM would leave two splits: one, no merge (14.0 -> 12.7 us)
+        (64, 64, 1024, 0): (32, 1),
+    }
+    for (T, H, topk, extra), want in expected.items():
+        cfg = partial_shape_config(H, T, 132, entries=topk + extra, smem_per_sm=H200_SMEM_PER_SM)
+        plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=132, smem_per_sm=H200_SMEM_PER_SM)
+        assert (plan.chunks_per_split, plan.num_splits) == want, (T, H, topk, extra, plan)
 
 
 # ---------------------------------------------------------------------- refusals
@@ -217,5 +249,5 @@ def test_precision_defaults_and_availability():
     for arch in ("sm_90a", "sm_120a"):
         counts = {p: sum(1 for v in variant_space(arch) if v.kind == "partial" and v.config.precision == p)
                   for p in precisions_for(arch)}
-        # every precision serves every call shape (2 groups x 12); "f16" has one group only
-        assert counts == {p: 12 if p == "f16" else 24 for p in precisions_for(arch)}
+        # every precision serves every call shape (2 groups x 12)
+        assert counts == {p: 24 for p in precisions_for(arch)}
