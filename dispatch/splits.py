@@ -49,8 +49,9 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     16.4 us (one chunk per CTA: nothing to overlap its gather with), and 8 x 64 x 512 from
     16.3 to 15.2 us (two chunks; with four, 8 x 128 x 512, two CTAs per SM stay 4% faster).
     And where one CTA per SM then leaves only two splits, one split (final mode, no merge
-    kernel): 64 x 16 x 128 14.1 -> 12.8 us (the merge of 64 x 16 rows costs more than two
-    more chunks). (On sm_120 an SM holds one CTA anyway.)"""
+    kernel): 64 x 16 x 128 14.1 -> 12.8 us in the sweep (the merge of 64 x 16 rows costs
+    more than two more chunks), and in ``scripts/bench.py`` 64 x 16 x 128 14.0 -> 12.7 us and
+    8 x 128 x 128 13.1 -> 12.2. (On sm_120 an SM holds one CTA anyway.)"""
     block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
     base_ctas = num_tokens * -(-num_heads // cfg.heads_per_cta)

@@ -123,6 +123,7 @@ def test_split_plans_follow_the_h200_measurements():
         (8, 128, 512, 0): (4, 4),  # four chunks: two CTAs per SM stay
         (8, 128, 1024, 0): (8, 4),
         (64, 16, 128, 0): (4, 1),  # one CTA per SM would leave two splits: one, no merge (14.0 -> 12.7 us)
+        (8, 128, 128, 0): (4, 1),  # the same (13.1 -> 12.2 us)
         (64, 64, 1024, 0): (32, 1),
     }
     for (T, H, topk, extra), want in expected.items():

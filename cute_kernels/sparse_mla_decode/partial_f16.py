@@ -3,8 +3,9 @@ warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
 Same work split, pipeline order (``partial.py``: rows ``num_stages - 1`` chunks ahead,
 indices ``num_stages`` ahead, ``_next_chunk``) and outputs as the bf16 kernel; the gather is
-one warp's (below) and the compute differs. The CTA covers 16 heads (``head_groups`` m16
-tiles; the dispatch uses one, the kernel also builds with two) with 8 warps, and warp w owns 64 columns of
+one warp's (below) and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16
+tiles: one where an SM holds two of these CTAs, the H200; two for many heads where it holds
+one anyway, sm_120: ``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of
 the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
 per entry) or the 64 rope dims (w = 7). So each gathered byte is turned into an MMA operand by
 exactly one warp, once for QK and once for PV, and a 32-head CTA multiplies each operand
@@ -91,6 +92,27 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   the rescale loop joins; (b) the rope warp locating chunk c + 3 in chunk c's PV phase (its QK
   phase 192 -> 135 instructions, indices 4 chunks ahead): 3-7.5% slower at 64 tokens x 64 /
   128 heads (the indices then have one chunk to land).
+- Session 8 (the same day, same method). (1) At sm_120's occupancy (one CTA per SM: the
+  H200 with this kernel's shared memory padded past half the SM's, ``scripts/bench.py
+  --tokens 8,64,256 --no-torch``, against ``--head-groups 2``, one lease) 32-head CTAs were
+  1.27-1.39x faster than 16-head ones at 64 and 256 tokens x 64/128 heads (64 x 128 x 1024:
+  158.1 -> 115.9 us), 1.03-1.12x at 8 x 128 with 512+ entries, 0.91-1.01x at 8 x 64 and
+  8 x 128 x 128, 0.74-1.0x at 16 heads: the dispatch's choice on sm_120 (``head_groups_for``).
+  On the H200 itself two 16-head CTAs per SM stay: held to one per SM they were 1.24-1.41x
+  slower at 64 tokens x 64/128 heads and 0.95-1.13x at 8 tokens (two leases of the day).
+  Tried and not kept: (a) the rope dims' QK moved from the rope warp to nope warps 0..3 (one
+  n tile each, Q's rope fragments by ``ldmatrix`` from shared memory): ncu at 64 x 128 x 1024
+  had the nope warps waiting at the barrier after QK for the rope warp (13% of all warp
+  samples; its QK phase 188 instructions against their 146); the move made it 124 against
+  161 (the nope warps at the 128-register bound: 15 more moves) and measured up to 5% slower
+  on 35 of 36 shapes (64 x 128 x 1024 111.9 -> 115.3 us; with two early row groups 116.2);
+  (b) the merge fused into a cluster: a row's 2..8 splits launched as one thread-block
+  cluster, each CTA leaving its normalized partial output and lse in shared memory and
+  combining a share of the row from its peers' through distributed shared memory (one
+  launch, no scratch; correct on the GPU suite plus cases forced to every cluster size): at
+  T=1 not faster (1 x 16 x 128 10.05 -> 11.0 us, 1 x 128 x 1024 12.86 -> 13.28 / 12.86), and
+  where two CTAs per SM were planned up to 1.5x slower (8 x 128 x 1024 24.9 -> 37.0 us: the
+  clustered grid did not run in one wave; with two splits 29.0).
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
   pass: nope warps 357 instructions (QK phase 146, softmax 60, PV 149), rope warp 374 (188 / 57
   / 121); about 2870 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
@@ -144,7 +166,7 @@ RESCALE_LOG2 = 8.0
 # phase was the longest phase of the chunk (sm_120a, per thread, 16 heads: 259 against the
 # nope warps' 143) and its PV phase the shortest (54 against 149); with 1 early group: 191 /
 # 117. The late copies then have less than a chunk to land, which the 16-head kernel's third
-# row stage covers; the 32-head kernel (two stages, not used by the dispatch) issues all 4 early.
+# row stage covers; the 32-head kernel (two stages: sm_120's choice for many heads) issues all 4 early.
 EARLY_ROW_GROUPS = {1: 1, 2: 4}
 # QK's n tiles (8 entries each, 4 per chunk) multiplied at once per warp, their chains of 4
 # dependent MMAs interleaved (``tests/test_compile_sm120.py`` checks that no MMA of the f16
