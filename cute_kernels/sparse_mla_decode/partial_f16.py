@@ -206,7 +206,7 @@ def _scale_of_byte(b: Int32) -> Float32:
 class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
     """The "f16"-form partial kernel for one ``PartialConfig``."""
 
-    INDEX_THREAD0 = ROPE_WARP * 32  # the gather is the rope warp's (``_issue_rows``)
+    INDEX_THREAD0 = ROPE_WARP * 32  # the rope warp issues the indices (``_issue_indices``) with its gather
 
     def __init__(self, cfg):
         super().__init__(cfg)
