@@ -174,6 +174,25 @@ def check_against_reference(out, lse, ref_out, ref_lse, precision="bf16"):
     return worst, lse_err
 
 
+def run_twice(case: Case, q, idx, call) -> list:
+    """``call(q, idx, out, lse)`` twice into NaN-poisoned outputs (q and indices as [B, 1, ..]
+    for a ``q4d`` case); the two results as [T, H, 512] / [T, H], checked equal (a race would
+    show as a difference)."""
+    lead = (case.T,)
+    if case.q4d:  # [B, S, H, 512] with B * S = T (T is a multiple of the batch here or S = 1)
+        q, idx, lead = q.unsqueeze(1), idx.unsqueeze(1), (case.T, 1)
+    outs = []
+    for _ in range(2):
+        out = torch.full((*lead, case.H, 512), math.nan, dtype=torch.bfloat16, device=q.device)
+        lse = torch.full((*lead, case.H), math.nan, dtype=torch.float32, device=q.device)
+        call(q, idx, out, lse)
+        outs.append((out.reshape(case.T, case.H, 512).clone(), lse.reshape(case.T, case.H).clone()))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
+        "two runs on the same inputs differ: a race"
+    return outs
+
+
 @pytest.mark.parametrize("precision", ["bf16", "f16", "fp8", "mxf8"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_decode_matches_reference(case: Case, precision: str):
@@ -184,19 +203,11 @@ def test_decode_matches_reference(case: Case, precision: str):
     q, cache, idx, kw = build_inputs(case, device)
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
 
-    call_q, call_idx, lead = q, idx, (case.T,)
-    if case.q4d:  # [B, S, H, 512] with B * S = T (T is a multiple of the batch here or S = 1)
-        call_q, call_idx, lead = q.unsqueeze(1), idx.unsqueeze(1), (case.T, 1)
-    outs = []
-    for _ in range(2):
-        out = torch.full((*lead, case.H, 512), math.nan, dtype=torch.bfloat16, device=device)
-        lse = torch.full((*lead, case.H), math.nan, dtype=torch.float32, device=device)
-        got_out, got_lse = sparse_mla_decode(call_q, cache, call_idx, out=out, lse=lse, precision=precision, **kw)
+    def call(q, idx, out, lse):
+        got_out, got_lse = sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, **kw)
         assert got_out is out and got_lse is lse, "out/lse given must be written in place and returned"
-        outs.append((out.reshape(case.T, case.H, 512).clone(), lse.reshape(case.T, case.H).clone()))
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
-        "two runs on the same inputs differ: a race"
+
+    outs = run_twice(case, q, idx, call)
     props = torch.cuda.get_device_properties(device)
     cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision,
                                entries=case.topk + (case.extra_topk or 0),
@@ -219,31 +230,20 @@ TWO_GROUP_CASES = [c for c in CASES if c.H > 16] + [
 def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
     import dataclasses as dc
 
+    import dispatch.api as api
     import dispatch.plan as plan_mod
-    from dispatch import plan_sparse_mla_decode
 
     shape_config = plan_mod.partial_shape_config
     monkeypatch.setattr(plan_mod, "partial_shape_config",
                         lambda *a, **k: dc.replace(shape_config(*a, **k), head_groups=2))
+    monkeypatch.setattr(api, "_PLANS", {})  # plans of this test only, dropped after it
     device = torch.device("cuda")
     q, cache, idx, kw = build_inputs(case, device)
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    call_q, call_idx, lead = q, idx, (case.T,)
-    if case.q4d:
-        call_q, call_idx, lead = q.unsqueeze(1), idx.unsqueeze(1), (case.T, 1)
-    call_kw = {k: v for k, v in kw.items() if k != "sm_scale"}
-    outs = [(torch.full((*lead, case.H, 512), math.nan, dtype=torch.bfloat16, device=device),
-             torch.full((*lead, case.H), math.nan, dtype=torch.float32, device=device)) for _ in range(2)]
-    plan = plan_sparse_mla_decode(call_q, cache, call_idx, precision="f16", out=outs[0][0], lse=outs[0][1],
-                                  **call_kw)
+    got = run_twice(case, q, idx, lambda q, idx, out, lse: sparse_mla_decode(q, cache, idx, out=out, lse=lse,
+                                                                             precision="f16", **kw))
+    (plan,) = api._PLANS.values()
     assert plan.variants[0].config.head_groups == 2
-    scratch = plan.new_scratch()
-    for out, lse in outs:
-        plan.run(call_q, cache, call_idx, out=out, lse=lse, scratch=scratch, sm_scale=kw["sm_scale"], **call_kw)
-    torch.cuda.synchronize()
-    got = [(o.reshape(case.T, case.H, 512), l.reshape(case.T, case.H)) for o, l in outs]
-    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), \
-        "two runs on the same inputs differ: a race"
     rel, lse_err = check_against_reference(got[0][0], got[0][1], ref_out, ref_lse, "f16")
     ACCURACY.append((f"f16 groups=2 (forced) splits={plan.split.num_splits} {case}", rel, lse_err))
 

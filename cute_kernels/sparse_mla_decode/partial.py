@@ -67,7 +67,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from .config import RAW_ROW_STRIDE, PartialConfig
-from .device_utils import LN_2, load_f32, load_i32, load_smem_u8, sink_gate, store_f32
+from .device_utils import LN_2, cp_async_zfill, load_f32, load_i32, load_smem_u8, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
 
 
@@ -84,9 +84,6 @@ def _bits_to_f32(bits: Int32) -> Float32:
 class SparseMlaPartialKernel:
     """The partial kernel for one ``PartialConfig``; ``__call__`` is the ``cute.jit`` launcher."""
 
-    # whether the gather writes zeros for an invalid entry's row: the bf16 path's
-    # dequantization does that itself; a kernel reading the raw rows must say True
-    ZERO_FILL_INVALID_ROWS = False
     INDEX_THREAD0 = 0  # the first of the block_n threads that load a chunk's indices
 
     def __init__(self, cfg: PartialConfig):
@@ -503,8 +500,6 @@ class SparseMlaPartialKernel:
             main_num_slots=m_slots, main_page=m_page, main_block_stride=m_stride, main_base=m_cache.toint(),
             extra_idx_row=e_idx.toint() + Int64(token) * e_idx_stride * 4, extra_topk=e_topk, extra_limit=e_limit,
             extra_num_slots=e_slots, extra_page=e_page, extra_block_stride=e_stride, extra_base=e_cache.toint(),
-            g2s_16=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=128),
-            g2s_8=cute.make_copy_atom(cpasync.CopyG2SOp(), Uint8, num_bits_per_copy=64),
             g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
         )
 
@@ -641,6 +636,15 @@ class SparseMlaPartialKernel:
                     slot = v
         return slot
 
+    @staticmethod
+    def _row_location(slot: Int32, page: Int32, block_stride: Int64, base: Int64):
+        """(row address, scales address) of cache slot ``slot`` (>= 0) in a paged cache at
+        ``base``: rows first in each page block, the scales in its footer."""
+        blk = Int32(cutlass.Uint32(slot) // cutlass.Uint32(page))  # both >= 0: the unsigned division is shorter
+        off = slot - blk * page
+        block_addr = base + Int64(blk) * block_stride
+        return block_addr + Int64(off) * ROW_BYTES, block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
+
     @cute.jit
     def _issue_rows(self, ctx: SimpleNamespace, c: Int32, stage: Int32, buf: Int32):
         """Start the cp.async gather of chunk ``c``'s rows and scales; its indices landed in
@@ -650,68 +654,34 @@ class SparseMlaPartialKernel:
         The threads_per_row = num_threads / block_n consecutive threads of a row check its
         index and locate it once (one division by the runtime page size per thread), then
         issue every threads_per_row-th 16-byte piece: one warp-wide copy still covers 64
-        contiguous bytes of each of its rows."""
-        bn, tidx, sMask = self.bn, ctx.tidx, ctx.sMask
-        tpr = self.nthr // bn
+        contiguous bytes of each of its rows. An invalid entry's row and scales become zeros
+        by the same copies (src-size 0: nothing is read, at slot 0's address), which the
+        kernels multiplying the raw rows need (probability 0 times stale bytes that decode
+        as NaN is NaN)."""
+        tidx, sMask = ctx.tidx, ctx.sMask
+        tpr = self.nthr // self.bn
         pieces = ROW_BYTES // 16
         pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
         e = tidx // tpr
-        r = tidx - e * tpr
+        r = tidx % tpr
         slot = self._valid_slot(ctx, e, buf, pos0, limit, num_slots)
         if tidx < 32:  # warp 0: the validity mask (block_n == 32: one bit per lane)
-            e0 = tidx
-            valid = self._valid_slot(ctx, e0, buf, pos0, limit, num_slots) >= 0
-            mask = cute.arch.vote_ballot_sync(valid)
+            mask = cute.arch.vote_ballot_sync(self._valid_slot(ctx, tidx, buf, pos0, limit, num_slots) >= 0)
             if tidx == 0:
                 sMask[buf] = mask
-        if const_expr(self.ZERO_FILL_INVALID_ROWS):
-            # a kernel multiplying the raw rows directly needs an invalid entry's row to be
-            # zeros (its probability is 0, and 0 times stale bytes that decode as NaN is NaN)
-            if slot < 0:
-                for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
-                    piece = r + k * tpr
-                    if piece < pieces:
-                        cute.make_tensor(
-                            cute.make_ptr(Int32, stage_base + e * RAW_ROW_STRIDE + piece * 16, cute.AddressSpace.smem,
-                                          assumed_align=16),
-                            cute.make_layout(4),
-                        ).fill(0)
-                if r == tpr - 1:
-                    cute.make_tensor(
-                        cute.make_ptr(Int32, stage_base + self.scale_off + e * SCALE_BYTES, cute.AddressSpace.smem,
-                                      assumed_align=8),
-                        cute.make_layout(2),
-                    ).fill(0)
-        if slot >= 0:
-            blk = slot // page
-            off = slot - blk * page
-            row_addr = base + Int64(blk) * block_stride + Int64(off) * ROW_BYTES
-            for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
-                piece = r + k * tpr
-                if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
-                    self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * RAW_ROW_STRIDE + piece * 16)
-                else:
-                    if piece < pieces:
-                        self._copy_piece(ctx, row_addr + piece * 16, stage_base + e * RAW_ROW_STRIDE + piece * 16)
-            if r == tpr - 1:  # the row's scales: by the thread with the fewest pieces
-                gaddr = base + Int64(blk) * block_stride + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
-                src = cute.make_tensor(
-                    cute.make_ptr(Uint8, gaddr, cute.AddressSpace.gmem, assumed_align=8), cute.make_layout(8)
-                )
-                dst = cute.make_tensor(
-                    cute.make_ptr(Uint8, stage_base + self.scale_off + e * SCALE_BYTES, cute.AddressSpace.smem,
-                                  assumed_align=8),
-                    cute.make_layout(8),
-                )
-                cute.copy(ctx.g2s_8, src, dst)
-
-    @cute.jit
-    def _copy_piece(self, ctx: SimpleNamespace, gaddr: Int64, saddr: Int32):
-        """cp.async of 16 bytes from global ``gaddr`` to shared ``saddr``."""
-        src = cute.make_tensor(cute.make_ptr(Uint8, gaddr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(16))
-        dst = cute.make_tensor(cute.make_ptr(Uint8, saddr, cute.AddressSpace.smem, assumed_align=16), cute.make_layout(16))
-        cute.copy(ctx.g2s_16, src, dst)
+        row_addr, scale_addr = self._row_location(cutlass.max(slot, 0), page, block_stride, base)
+        nbytes = Int32(slot >= 0) * 16
+        dst = stage_base + e * RAW_ROW_STRIDE
+        for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
+            piece = r + k * tpr
+            if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
+                cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
+            else:
+                if piece < pieces:
+                    cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
+        if r == tpr - 1:  # the row's scales: by the thread with the fewest pieces
+            cp_async_zfill(stage_base + self.scale_off + e * SCALE_BYTES, scale_addr, SCALE_BYTES, nbytes // 2)
 
     @cute.jit
     def _dequantize(self, ctx: SimpleNamespace, stage: Int32, buf: Int32):

@@ -360,11 +360,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         mask = cute.arch.vote_ballot_sync(slot >= 0)
         if tidx == ROPE_WARP * 32:
             sMask[buf] = mask
-        located = cutlass.max(slot, 0)
-        blk = Int32(cutlass.Uint32(located) // cutlass.Uint32(page))  # both >= 0: the unsigned division is shorter
-        off = located - blk * page
-        block_addr = base + Int64(blk) * block_stride
-        return mask, block_addr + Int64(off) * ROW_BYTES, block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
+        row_addr, scale_addr = self._row_location(cutlass.max(slot, 0), page, block_stride, base)
+        return mask, row_addr, scale_addr
 
     def _copy_rows(self, stage_base, located, lane, groups, scales: bool):
         """cp.async of the 8-entry groups ``groups`` of a located chunk (``_locate_rows``)
@@ -386,43 +383,6 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             for k in range(ROW_BYTES // 64):
                 piece = 16 * (p + 4 * k)
                 cp_async_zfill(dst + piece, src + piece, 16, nbytes)
-
-    @cute.jit
-    def _issue_rows(self, ctx, c: Int32, stage: Int32, buf: Int32):
-        """Chunk ``c``'s rows and scales by all threads: the pipeline start's form
-        (``_start_pipeline``), where the first rows are on every call's critical path; the main
-        loop's gather is the rope warp's. The 8 consecutive threads of entry t // 8 locate
-        it and copy its 16-byte pieces t % 8, t % 8 + 8, ..; an invalid entry is zero-filled
-        (src-size 0). Warp 0 records the validity mask in ``sMask[buf]``."""
-        tidx, sMask = ctx.tidx, ctx.sMask
-        tpr = self.nthr // self.bn
-        pieces = ROW_BYTES // 16
-        pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
-        stage_base = ctx.raw_base + stage * self.stage_bytes
-        e = tidx // tpr
-        r = tidx % tpr
-        slot = self._valid_slot(ctx, e, buf, pos0, limit, num_slots)
-        if tidx < 32:  # warp 0: one bit per entry (block_n == 32)
-            mask = cute.arch.vote_ballot_sync(self._valid_slot(ctx, tidx, buf, pos0, limit, num_slots) >= 0)
-            if tidx == 0:
-                sMask[buf] = mask
-        located = cutlass.max(slot, 0)
-        blk = Int32(cutlass.Uint32(located) // cutlass.Uint32(page))
-        off = located - blk * page
-        block_addr = base + Int64(blk) * block_stride
-        row_addr = block_addr + Int64(off) * ROW_BYTES
-        nbytes = Int32(slot >= 0) * 16
-        dst = stage_base + e * RAW_ROW_STRIDE
-        for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
-            piece = r + k * tpr
-            if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
-                cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
-            else:
-                if piece < pieces:
-                    cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
-        if r == tpr - 1:  # the entry's scales: by the thread with the fewest pieces
-            cp_async_zfill(stage_base + self.scale_off + e * SCALE_BYTES,
-                           block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES, SCALE_BYTES, nbytes // 2)
 
     @cute.jit
     def _start_next_chunk(self, ctx, c: Int32, c_end: Int32, step: Int32, lane: Int32):

@@ -107,8 +107,6 @@ def _scale_exponent(amax: Float32) -> Int32:
 class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
     """The FP8-path partial kernel for one ``PartialConfig`` (precision "fp8" or "mxf8")."""
 
-    ZERO_FILL_INVALID_ROWS = True  # the MMAs read the raw rows
-
     @cute.kernel
     def kernel(
         self,
