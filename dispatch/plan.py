@@ -23,6 +23,7 @@ import threading
 
 import torch
 
+from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 
 from . import loader
@@ -139,9 +140,10 @@ class DecodePlan:
         lse_part = Bind("scratch", self._o_part_bytes) if not self.final else 0
         return [
             Bind("q"), st["q_t"], st["q_h"], self.num_tokens, self.num_heads,
-            Bind("main"), self._page, st["main_block"], st["main_slots"], Bind("indices"), st["idx_t"], self.topk,
-            alt["topk_length"],
-            alt["extra"], self._extra_page, st["extra_block"], st["extra_slots"], alt["extra_indices"],
+            Bind("main"), self._page, page_division_magic(self._page), st["main_block"], st["main_slots"],
+            Bind("indices"), st["idx_t"], self.topk, alt["topk_length"],
+            alt["extra"], self._extra_page, page_division_magic(self._extra_page), st["extra_block"],
+            st["extra_slots"], alt["extra_indices"],
             st["extra_idx_t"], self.extra_topk, alt["extra_topk_length"],
             Bind("sm_scale_log2"), self.split.chunks_per_split, self.split.num_splits, o_part, lse_part,
             Bind("out"), st["out_t"], st["out_h"], Bind("lse"), st["lse_t"], st["lse_h"], alt["attn_sink"],

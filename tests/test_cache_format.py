@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import (
-    CacheLayoutError, default_block_stride, gather_slots, pack_latent, quantize_latent, read_cache_view, unpack_cache,
+    CacheLayoutError, default_block_stride, gather_slots, pack_latent, page_division_magic, quantize_latent,
+    read_cache_view, unpack_cache,
 )
 from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES
 from tests.dsv4_inputs import make_cache
@@ -68,3 +69,30 @@ def test_gather_slots_matches_unpack():
 def test_bad_views_are_refused(make, message):
     with pytest.raises(CacheLayoutError, match=message.replace("[", r"\[").replace("*", r"\*")):
         read_cache_view(make())
+
+
+def _quotient(slot: int, page: int) -> int:
+    """slot // page the kernels' way (``SparseMlaPartialKernel._row_location``)."""
+    magic = page_division_magic(page)
+    return (slot * (magic & 0xFFFFFFFF)) >> (magic >> 32)
+
+
+@pytest.mark.parametrize("page", [*range(1, 130), 192, 255, 256, 257, 1000, 4096, 65535, 65536, 99991,
+                                  (1 << 20) + 7, (1 << 30) - 1, 1 << 30, (1 << 31) - 1])
+def test_page_division_magic_divides_every_slot(page):
+    gen = torch.Generator().manual_seed(page)
+    slots = list(range(0, 3 * page + 3)) if page <= 256 else []
+    slots += [page * k + d for k in (1, 2, 1000) for d in (-1, 0, 1) if 0 <= page * k + d < 1 << 31]
+    slots += torch.randint(0, 1 << 31, (2000,), generator=gen).tolist() + [(1 << 31) - 1, (1 << 31) - 2]
+    magic = page_division_magic(page)
+    assert magic & 0xFFFFFFFF < 1 << 32 and (magic >> 32) <= 62
+    wrong = [s for s in slots if _quotient(s, page) != s // page]
+    assert not wrong, f"page {page}: slot // page wrong for slots {wrong[:5]}"
+    # the device's product of a slot (< 2**31) and the multiplier (< 2**32) fits a signed int64
+    assert ((1 << 31) - 1) * (magic & 0xFFFFFFFF) < 1 << 63
+
+
+@pytest.mark.parametrize("page", [0, -64, 64.0, True])
+def test_page_division_magic_refuses_bad_pages(page):
+    with pytest.raises(ValueError, match="page_block_size"):
+        page_division_magic(page)

@@ -56,6 +56,21 @@ class CacheView:
         return self.num_blocks * self.page_block_size
 
 
+def page_division_magic(page_block_size: int) -> int:
+    """The kernels' argument for dividing a cache slot by the page block size without a
+    division instruction: ``m | (s << 32)`` with ``slot // page == (slot * m) >> s`` for
+    every slot in [0, 2**31) (Granlund-Montgomery: l = ceil(log2(page)), s = 31 + l,
+    m = ceil(2**s / page) < 2**32, and m * page - 2**s < page <= 2**l). On the GPU the
+    quotient is one 32 x 32 -> 64-bit multiply and a shift, where a division by a runtime
+    value is a dozen instructions per row located (``SparseMlaPartialKernel._row_location``)."""
+    if not isinstance(page_block_size, int) or isinstance(page_block_size, bool) or page_block_size < 1:
+        raise ValueError(f"page_block_size must be a positive int, got {page_block_size!r}")
+    shift = 31 + (page_block_size - 1).bit_length()
+    magic = -(-(1 << shift) // page_block_size)
+    assert magic < 1 << 32
+    return magic | (shift << 32)
+
+
 def default_block_stride(page_block_size: int) -> int:
     """FlashMLA's allocation: P*584 bytes rounded up to a multiple of 576."""
     used = page_block_size * TOKEN_BYTES

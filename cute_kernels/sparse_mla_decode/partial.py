@@ -66,6 +66,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
+from .cache_format import page_division_magic
 from .config import RAW_ROW_STRIDE, PartialConfig
 from .device_utils import LN_2, cp_async_zfill, load_f32, load_i32, load_smem_u8, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
@@ -108,7 +109,8 @@ class SparseMlaPartialKernel:
         def ptr(dtype, align):
             return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
-        source = [ptr(Uint8, 16), Int32(1), Int64(0), Int32(1), ptr(Int32, 4), Int64(0), Int32(1), ptr(Int32, 4)]
+        source = [ptr(Uint8, 16), Int32(1), Int64(page_division_magic(1)), Int64(0), Int32(1), ptr(Int32, 4), Int64(0),
+                  Int32(1), ptr(Int32, 4)]
         return (
             [ptr(BFloat16, 16), Int64(0), Int64(0), Int32(1), Int32(1)]
             + source
@@ -129,6 +131,7 @@ class SparseMlaPartialKernel:
         num_heads: Int32,
         main_cache: cute.Pointer,  # uint8 blocks, 16-byte aligned
         main_page: Int32,
+        main_page_magic: Int64,  # cache_format.page_division_magic(main_page)
         main_block_stride: Int64,  # bytes
         main_num_slots: Int32,
         main_idx: cute.Pointer,  # int32 [T, topk]
@@ -137,6 +140,7 @@ class SparseMlaPartialKernel:
         main_len: cute.Pointer,  # int32 [T] (read only when cfg.has_topk_length)
         extra_cache: cute.Pointer,
         extra_page: Int32,
+        extra_page_magic: Int64,
         extra_block_stride: Int64,
         extra_num_slots: Int32,
         extra_idx: cute.Pointer,
@@ -186,9 +190,9 @@ class SparseMlaPartialKernel:
         head_blocks = (num_heads + self.hb - 1) // self.hb
         self.kernel(
             q, q_stride_t, q_stride_h, num_heads,
-            main_cache, main_page, main_block_stride, main_num_slots,
+            main_cache, main_page, main_page_magic, main_block_stride, main_num_slots,
             main_idx, main_idx_stride, main_topk, main_len,
-            extra_cache, extra_page, extra_block_stride, extra_num_slots,
+            extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots,
             extra_idx, extra_idx_stride, extra_topk, extra_len,
             sm_scale_log2, chunks_per_split, num_splits, o_part, lse_part,
             out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h, attn_sink,
@@ -216,6 +220,7 @@ class SparseMlaPartialKernel:
         num_heads: Int32,
         main_cache: cute.Pointer,
         main_page: Int32,
+        main_page_magic: Int64,
         main_block_stride: Int64,
         main_num_slots: Int32,
         main_idx: cute.Pointer,
@@ -224,6 +229,7 @@ class SparseMlaPartialKernel:
         main_len: cute.Pointer,
         extra_cache: cute.Pointer,
         extra_page: Int32,
+        extra_page_magic: Int64,
         extra_block_stride: Int64,
         extra_num_slots: Int32,
         extra_idx: cute.Pointer,
@@ -268,9 +274,10 @@ class SparseMlaPartialKernel:
         sQ = cute.make_tensor(sKV.iterator, q_layout)
         ctx = self._gather_context(
             smem, tidx, token, split, chunks_per_split,
-            (main_cache, main_page, main_block_stride, main_num_slots, main_idx, main_idx_stride, main_topk, main_len),
-            (extra_cache, extra_page, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride, extra_topk,
-             extra_len),
+            (main_cache, main_page, main_page_magic, main_block_stride, main_num_slots, main_idx, main_idx_stride,
+             main_topk, main_len),
+            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride,
+             extra_topk, extra_len),
         )
         sMask, sS, c_begin, c_end = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end
         # the epilogue's addresses, taken at the top level (see _gather_context)
@@ -478,10 +485,11 @@ class SparseMlaPartialKernel:
         """Allocate the gather's shared memory (raw stages, the S exchange, indices, validity
         masks) and gather what ``_issue_indices`` / ``_issue_rows`` read about the two lists;
         also this split's chunk range [c_begin, c_end). ``main`` / ``extra``: (cache, page,
-        block stride, num slots, indices, indices stride, topk, length pointer)."""
+        page division magic, block stride, num slots, indices, indices stride, topk, length
+        pointer)."""
         bn = self.bn
-        m_cache, m_page, m_stride, m_slots, m_idx, m_idx_stride, m_topk, m_len = main
-        e_cache, e_page, e_stride, e_slots, e_idx, e_idx_stride, e_topk, e_len = extra
+        m_cache, m_page, m_magic, m_stride, m_slots, m_idx, m_idx_stride, m_topk, m_len = main
+        e_cache, e_page, e_magic, e_stride, e_slots, e_idx, e_idx_stride, e_topk, e_len = extra
         n_main_chunks = (m_topk + bn - 1) // bn
         n_chunks = n_main_chunks + (e_topk + bn - 1) // bn
         c_begin = split * chunks_per_split
@@ -497,9 +505,11 @@ class SparseMlaPartialKernel:
             tidx=tidx, n_main_chunks=n_main_chunks, raw_base=sRaw.iterator.toint(), sMask=sMask, sIdx=sIdx,
             sidx_base=sIdx.iterator.toint(),
             main_idx_row=m_idx.toint() + Int64(token) * m_idx_stride * 4, main_topk=m_topk, main_limit=m_limit,
-            main_num_slots=m_slots, main_page=m_page, main_block_stride=m_stride, main_base=m_cache.toint(),
+            main_num_slots=m_slots, main_page=m_page, main_page_magic=m_magic, main_block_stride=m_stride,
+            main_base=m_cache.toint(),
             extra_idx_row=e_idx.toint() + Int64(token) * e_idx_stride * 4, extra_topk=e_topk, extra_limit=e_limit,
-            extra_num_slots=e_slots, extra_page=e_page, extra_block_stride=e_stride, extra_base=e_cache.toint(),
+            extra_num_slots=e_slots, extra_page=e_page, extra_page_magic=e_magic, extra_block_stride=e_stride,
+            extra_base=e_cache.toint(),
             g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
         )
 
@@ -578,14 +588,15 @@ class SparseMlaPartialKernel:
     @cute.jit
     def _chunk_source(self, ctx: SimpleNamespace, c: Int32):
         """Where chunk ``c``'s entries live: (first list position, index row address, list
-        length (topk), length limit, slots in the cache, page block size, block stride, cache
-        base address)."""
+        length (topk), length limit, slots in the cache, page block size, its division magic
+        (``cache_format.page_division_magic``), block stride, cache base address)."""
         pos0 = c * self.bn
         idx_row = ctx.main_idx_row
         topk = ctx.main_topk
         limit = ctx.main_limit
         num_slots = ctx.main_num_slots
         page = ctx.main_page
+        magic = ctx.main_page_magic
         block_stride = ctx.main_block_stride
         base = ctx.main_base
         if c >= ctx.n_main_chunks:
@@ -595,9 +606,10 @@ class SparseMlaPartialKernel:
             limit = ctx.extra_limit
             num_slots = ctx.extra_num_slots
             page = ctx.extra_page
+            magic = ctx.extra_page_magic
             block_stride = ctx.extra_block_stride
             base = ctx.extra_base
-        return pos0, idx_row, topk, limit, num_slots, page, block_stride, base
+        return pos0, idx_row, topk, limit, num_slots, page, magic, block_stride, base
 
     @cute.jit
     def _issue_indices(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
@@ -607,7 +619,7 @@ class SparseMlaPartialKernel:
         Asynchronous so that no thread waits on a global load in the main loop; the indices
         are checked when the rows are issued (``_valid_slot``)."""
         e = ctx.tidx - self.INDEX_THREAD0
-        pos0, idx_row, topk, _, _, _, _, _ = self._chunk_source(ctx, c)
+        pos0, idx_row, topk, _, _, _, _, _, _ = self._chunk_source(ctx, c)
         if e >= 0:
             if e < self.bn:
                 if pos0 + e < topk:
@@ -637,10 +649,11 @@ class SparseMlaPartialKernel:
         return slot
 
     @staticmethod
-    def _row_location(slot: Int32, page: Int32, block_stride: Int64, base: Int64):
+    def _row_location(slot: Int32, page: Int32, magic: Int64, block_stride: Int64, base: Int64):
         """(row address, scales address) of cache slot ``slot`` (>= 0) in a paged cache at
-        ``base``: rows first in each page block, the scales in its footer."""
-        blk = Int32(cutlass.Uint32(slot) // cutlass.Uint32(page))  # both >= 0: the unsigned division is shorter
+        ``base``: rows first in each page block, the scales in its footer. The block is
+        slot // page by the host's multiplier (``cache_format.page_division_magic``)."""
+        blk = Int32((Int64(slot) * (magic & 0xFFFFFFFF)) >> (magic >> 32))
         off = slot - blk * page
         block_addr = base + Int64(blk) * block_stride
         return block_addr + Int64(off) * ROW_BYTES, block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
@@ -661,7 +674,7 @@ class SparseMlaPartialKernel:
         tidx, sMask = ctx.tidx, ctx.sMask
         tpr = self.nthr // self.bn
         pieces = ROW_BYTES // 16
-        pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
+        pos0, _, _, limit, num_slots, page, magic, block_stride, base = self._chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
         e = tidx // tpr
         r = tidx % tpr
@@ -670,7 +683,7 @@ class SparseMlaPartialKernel:
             mask = cute.arch.vote_ballot_sync(self._valid_slot(ctx, tidx, buf, pos0, limit, num_slots) >= 0)
             if tidx == 0:
                 sMask[buf] = mask
-        row_addr, scale_addr = self._row_location(cutlass.max(slot, 0), page, block_stride, base)
+        row_addr, scale_addr = self._row_location(cutlass.max(slot, 0), page, magic, block_stride, base)
         nbytes = Int32(slot >= 0) * 16
         dst = stage_base + e * RAW_ROW_STRIDE
         for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):

@@ -113,10 +113,23 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   T=1 not faster (1 x 16 x 128 10.05 -> 11.0 us, 1 x 128 x 1024 12.86 -> 13.28 / 12.86), and
   where two CTAs per SM were planned up to 1.5x slower (8 x 128 x 1024 24.9 -> 37.0 us: the
   clustered grid did not run in one wave; with two splits 29.0).
+- Session 9 (the same day, same method, one lease, two rounds each): three instruction cuts,
+  the same results bit for bit (the GPU suite's tolerances unchanged): no identity ``prmt``
+  before each QK conversion (ptxas keeps one of inline PTX: 15 instructions per nope warp and
+  chunk), the QK scales as an integer max (``_scale_of_byte``: 2**-127 for byte 0 below
+  every other, no test and select) and P''s factors as one multiply-add and a max per byte,
+  and the page division by a host multiplier (``cache_format.page_division_magic``: the rope
+  warp's QK phase 188 -> 178). 64 tokens x 64/128 heads 2.5-3.1% faster (64 x 128 x 1024
+  112.6 -> 109.7 us), 1 and 8 tokens within noise or up to 4% faster, none slower beyond 1%.
+  Tried on the sm_120a SASS only (not run): a 16-warp 32-head CTA, two warps per 64-column
+  unit (QK split by n tiles, PV by columns, two rope warps sharing the gather, 128 registers,
+  87 KB): 14 x 363 + 2 x 365 = 5812 warp-instructions per chunk for 32 heads against
+  2 x 2873 for two 16-head CTAs. The conversions halve, but each warp keeps its own fixed
+  costs (the softmax, the scales), and at the 128-register bound ptxas adds ~30 moves in PV.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
-  pass: nope warps 357 instructions (QK phase 146, softmax 60, PV 149), rope warp 374 (188 / 57
-  / 121); about 2870 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
-  4776). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
+  pass: nope warps 332 instructions (QK phase 123, softmax 59, PV 148), rope warp 368 (178 / 58
+  / 123); about 2690 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
+  4690). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
   at 64 x 128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them
   fixed-latency dependency waits, 2 warps per scheduler).
 - A single CTA alone on an SM takes about 1.4 us per chunk (``scripts/split_sweep.py``, one
@@ -194,13 +207,16 @@ def _pow2_f32(e: Int32) -> Float32:
     return f32_from_bits(cutlass.max(e + 127, 0) << 23)
 
 
-@cute.jit
 def _scale_of_byte(b: Int32) -> Float32:
-    """The UE8M0 scale 2**(b - 127) (b = 0: 2**-127, a subnormal f32)."""
-    s = f32_from_bits(b << 23)
-    if b == 0:
-        s = f32_from_bits(Int32(1 << 22))
-    return s
+    """The UE8M0 scale 2**(b - 127), exactly: the bits b << 23 for b >= 1, and for b = 0 the
+    subnormal 2**-127 (bits 1 << 22, below every b >= 1: one integer max instead of a test
+    and a select)."""
+    return f32_from_bits(cutlass.max(b << 23, Int32(1 << 22)))
+
+
+def _pow2_f32_bits(e_bits: Int32) -> Float32:
+    """2**e from ``e_bits`` = (e + 127) << 23 (an f32's bits), 0 where that is <= 0 (e <= -127)."""
+    return f32_from_bits(cutlass.max(e_bits, Int32(0)))
 
 
 class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
@@ -227,6 +243,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         num_heads: Int32,
         main_cache: cute.Pointer,
         main_page: Int32,
+        main_page_magic: Int64,
         main_block_stride: Int64,
         main_num_slots: Int32,
         main_idx: cute.Pointer,
@@ -235,6 +252,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         main_len: cute.Pointer,
         extra_cache: cute.Pointer,
         extra_page: Int32,
+        extra_page_magic: Int64,
         extra_block_stride: Int64,
         extra_num_slots: Int32,
         extra_idx: cute.Pointer,
@@ -278,9 +296,10 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         sAmax = smem.allocate_tensor(Int32, cute.make_layout((hb, F16_WARPS), stride=(1, hb)), byte_alignment=16)
         ctx = self._gather_context(
             smem, tidx, token, split, chunks_per_split,
-            (main_cache, main_page, main_block_stride, main_num_slots, main_idx, main_idx_stride, main_topk, main_len),
-            (extra_cache, extra_page, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride, extra_topk,
-             extra_len),
+            (main_cache, main_page, main_page_magic, main_block_stride, main_num_slots, main_idx, main_idx_stride,
+             main_topk, main_len),
+            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride,
+             extra_topk, extra_len),
         )
         c_begin, c_end = ctx.c_begin, ctx.c_end
         # output addresses taken at the top level (see _gather_context)
@@ -355,12 +374,12 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         ROPE_WARP * 32). An invalid entry gets slot 0's addresses (the copies read nothing)."""
         tidx, sMask = ctx.tidx, ctx.sMask
         lane = tidx % 32
-        pos0, _, _, limit, num_slots, page, block_stride, base = self._chunk_source(ctx, c)
+        pos0, _, _, limit, num_slots, page, magic, block_stride, base = self._chunk_source(ctx, c)
         slot = self._valid_slot(ctx, lane, buf, pos0, limit, num_slots)
         mask = cute.arch.vote_ballot_sync(slot >= 0)
         if tidx == ROPE_WARP * 32:
             sMask[buf] = mask
-        row_addr, scale_addr = self._row_location(cutlass.max(slot, 0), page, block_stride, base)
+        row_addr, scale_addr = self._row_location(cutlass.max(slot, 0), page, magic, block_stride, base)
         return mask, row_addr, scale_addr
 
     def _copy_rows(self, stage_base, located, lane, groups, scales: bool):
@@ -475,7 +494,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             # O_w = O_w * correction * 2**(R_old - R_new) + P' V_w
             # P' scale pairs: k16 step s, entries 16 s + 2 q + {0, 1} (n tile 2 s) and
             # 16 s + 8 + 2 q + {0, 1} (n tile 2 s + 1)
-            pfac = [pack_f16x2(_pow2_f32(sbytes[2 * nt] - r_new), _pow2_f32(sbytes[2 * nt + 1] - r_new))
+            # 2**(b - R_w) as (b << 23) + ((127 - R_w) << 23): one multiply-add and a max per byte
+            r_bits = (127 - r_new) << 23
+            pfac = [pack_f16x2(*[_pow2_f32_bits(sbytes[2 * nt + i] * (1 << 23) + r_bits) for i in range(2)])
                     for nt in range(4)]
             pa = []
             for m in cutlass.range_constexpr(mt):

@@ -116,6 +116,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
         num_heads: Int32,
         main_cache: cute.Pointer,
         main_page: Int32,
+        main_page_magic: Int64,
         main_block_stride: Int64,
         main_num_slots: Int32,
         main_idx: cute.Pointer,
@@ -124,6 +125,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
         main_len: cute.Pointer,
         extra_cache: cute.Pointer,
         extra_page: Int32,
+        extra_page_magic: Int64,
         extra_block_stride: Int64,
         extra_num_slots: Int32,
         extra_idx: cute.Pointer,
@@ -180,9 +182,10 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
         q_base = sQbuf.iterator.toint()
         ctx = self._gather_context(
             smem, tidx, token, split, chunks_per_split,
-            (main_cache, main_page, main_block_stride, main_num_slots, main_idx, main_idx_stride, main_topk, main_len),
-            (extra_cache, extra_page, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride, extra_topk,
-             extra_len),
+            (main_cache, main_page, main_page_magic, main_block_stride, main_num_slots, main_idx, main_idx_stride,
+             main_topk, main_len),
+            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride,
+             extra_topk, extra_len),
         )
         sMask, sS, c_begin, c_end, raw_base = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end, ctx.raw_base
         # the epilogue's addresses, taken at the top level (see _gather_context)

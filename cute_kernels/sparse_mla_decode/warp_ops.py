@@ -154,14 +154,17 @@ def mma_f16(c: list, a: list, b: list) -> list:
 
 def e4m3x4_to_f16x2(x: Int32, selector: int = 0x3210) -> list:
     """The four e4m3 bytes of ``x``, after ``prmt.b32`` with ``selector`` (0x3210: as they
-    are), as two f16x2 registers [bytes 0, 1], [bytes 2, 3] (``cvt.rn.f16x2.e4m3x2``: exact,
-    every e4m3 value is an f16 value)."""
+    are, no permute), as two f16x2 registers [bytes 0, 1], [bytes 2, 3]
+    (``cvt.rn.f16x2.e4m3x2``: exact, every e4m3 value is an f16 value). (ptxas keeps an
+    identity ``prmt`` of inline PTX: one PRMT per call, 16 per chunk in each "f16" nope
+    warp's QK, hence none for 0x3210.)"""
     i32 = Int32.mlir_type
+    permute = "" if selector == 0x3210 else f"prmt.b32 t, $2, 0, {selector:#x};\n"
     lo, hi = _asm(
         [i32, i32], [Int32(x)],
         "{\n.reg .b32 t;\n.reg .b16 l, h;\n"
-        f"prmt.b32 t, $2, 0, {selector:#x};\nmov.b32 {{l, h}}, t;\n"
-        "cvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n}",
+        + (permute or "mov.b32 t, $2;\n")
+        + "mov.b32 {l, h}, t;\ncvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n}",
         "=r,=r,r",
     )
     return [Int32(lo), Int32(hi)]
