@@ -21,8 +21,8 @@ Per chunk of 32 entries:
    group; ``cvt.rn.f16x2.e4m3x2`` turns them into the f16 B fragment of k order {2q, 2q+1,
    8+2q, 9+2q} (Q's A fragments are loaded in the same column order), 4 f16 MMAs per m16
    tile, then times the entry's 2**(b - 127). Warp 7: bf16 MMAs on the raw bf16 rope bytes.
-   Both take the n tiles two at a time (``QK_TILES_AT_ONCE``) so that two chains of 4
-   dependent MMAs interleave. Each warp writes its partial S [heads, 32] (f32) to shared memory.
+   The nope warps take the n tiles two at a time (``QK_TILES_AT_ONCE``) so that two chains of
+   4 dependent MMAs interleave, the rope warp all four (``ROPE_QK_TILES_AT_ONCE``). Each warp writes its partial S [heads, 32] (f32) to shared memory.
 2. Softmax, all 256 threads: thread t sums the 8 partials of 2 or 4 consecutive entries of
    one head (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)), masks invalid
    entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (shuffle
@@ -113,22 +113,30 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   T=1 not faster (1 x 16 x 128 10.05 -> 11.0 us, 1 x 128 x 1024 12.86 -> 13.28 / 12.86), and
   where two CTAs per SM were planned up to 1.5x slower (8 x 128 x 1024 24.9 -> 37.0 us: the
   clustered grid did not run in one wave; with two splits 29.0).
-- Session 9 (the same day, same method, one lease, two rounds each): three instruction cuts,
-  the same results bit for bit (the GPU suite's tolerances unchanged): no identity ``prmt``
-  before each QK conversion (ptxas keeps one of inline PTX: 15 instructions per nope warp and
+- Session 9 (the same day, same method, one lease, two rounds each): instruction cuts, each
+  an exact rewrite (the same values by construction; the GPU suite passes unchanged): no
+  identity ``prmt`` before each QK conversion (ptxas keeps one of inline PTX: 15 instructions per nope warp and
   chunk), the QK scales as an integer max (``_scale_of_byte``: 2**-127 for byte 0 below
   every other, no test and select) and P''s factors as one multiply-add and a max per byte,
   and the page division by a host multiplier (``cache_format.page_division_magic``: the rope
   warp's QK phase 188 -> 178). 64 tokens x 64/128 heads 2.5-3.1% faster (64 x 128 x 1024
   112.6 -> 109.7 us), 1 and 8 tokens within noise or up to 4% faster, none slower beyond 1%.
+  Then (next lease) the rope warp's QK with all 4 n tiles at once (``ROPE_QK_TILES_AT_ONCE``:
+  its QK phase, the chunk's longest, 178 -> 166 instructions, no NOPs between its dependent
+  MMAs; 7 more in its other phases): 1 token x 64/128 heads with 512+ entries 2.6-3.4%
+  faster (1 x 128 x 1024 13.0 -> 12.6 us), the 36 shapes 0.991x in geometric mean, none
+  slower beyond 1% but two T=1 shapes within the lease's noise (+2.4%, +3.1%). Tried and not
+  kept: the next chunk's indices issued by nope warp 0 instead of the rope warp (its QK phase
+  then 149; the nope warps' loop 18 instructions longer by the register allocation): 0.993x
+  alone, 0.990x with the rope change, no better than the rope change alone.
   Tried on the sm_120a SASS only (not run): a 16-warp 32-head CTA, two warps per 64-column
   unit (QK split by n tiles, PV by columns, two rope warps sharing the gather, 128 registers,
   87 KB): 14 x 363 + 2 x 365 = 5812 warp-instructions per chunk for 32 heads against
   2 x 2873 for two 16-head CTAs. The conversions halve, but each warp keeps its own fixed
   costs (the softmax, the scales), and at the 128-register bound ptxas adds ~30 moves in PV.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
-  pass: nope warps 332 instructions (QK phase 123, softmax 59, PV 148), rope warp 368 (178 / 58
-  / 123); about 2690 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
+  pass: nope warps 332 instructions (QK phase 123, softmax 59, PV 148), rope warp 375 (166 / 65
+  / 128, and 16 at the loop head); about 2700 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
   4690). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
   at 64 x 128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them
   fixed-latency dependency waits, 2 warps per scheduler).
@@ -186,6 +194,10 @@ EARLY_ROW_GROUPS = {1: 1, 2: 4}
 # loops follows the one it accumulates onto). 4 at once: 40 more instructions per chunk at
 # the 128-register bound.
 QK_TILES_AT_ONCE = 2
+# The rope warp (registers to spare: its QK fragments are the raw bf16 rows) takes all 4 at
+# once: its QK phase, with the gather the longest of the chunk, then has no NOP between
+# dependent MMAs (measured: session 9 above).
+ROPE_QK_TILES_AT_ONCE = 4
 
 
 def _smem_scalar(dtype, addr):
@@ -585,8 +597,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             valid_rows = ctx.sMask[buf]
             if const_expr(self.early_row_groups > 0):
                 located = self._start_next_chunk(ctx, c, c_end, step, lane)
-            for nb0 in cutlass.range_constexpr(0, 4, QK_TILES_AT_ONCE):  # as in the nope role
-                tiles = range(nb0, nb0 + QK_TILES_AT_ONCE)
+            for nb0 in cutlass.range_constexpr(0, 4, ROPE_QK_TILES_AT_ONCE):  # as in the nope role
+                tiles = range(nb0, nb0 + ROPE_QK_TILES_AT_ONCE)
                 kb = {nb: [] for nb in tiles}
                 for nb in tiles:
                     for x in cutlass.range_constexpr(2):
