@@ -22,7 +22,8 @@ Per chunk of 32 entries:
    8+2q, 9+2q} (Q's A fragments are loaded in the same column order), 4 f16 MMAs per m16
    tile, then times the entry's 2**(b - 127). Warp 7: bf16 MMAs on the raw bf16 rope bytes.
    The nope warps take the n tiles two at a time (``QK_TILES_AT_ONCE``) so that two chains of
-   4 dependent MMAs interleave, the rope warp all four (``ROPE_QK_TILES_AT_ONCE``). Each warp writes its partial S [heads, 32] (f32) to shared memory.
+   4 dependent MMAs interleave, the rope warp all four (``ROPE_QK_TILES_AT_ONCE``). Each warp
+   writes its partial S [heads, 32] (f32) to shared memory.
 2. Softmax, all 256 threads: thread t sums the 8 partials of 2 or 4 consecutive entries of
    one head (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)), masks invalid
    entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (shuffle
@@ -115,8 +116,8 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   clustered grid did not run in one wave; with two splits 29.0).
 - Session 9 (the same day, same method, one lease, two rounds each): instruction cuts, each
   an exact rewrite (the same values by construction; the GPU suite passes unchanged): no
-  identity ``prmt`` before each QK conversion (ptxas keeps one of inline PTX: 15 instructions per nope warp and
-  chunk), the QK scales as an integer max (``_scale_of_byte``: 2**-127 for byte 0 below
+  identity ``prmt`` before each QK conversion (ptxas keeps one of inline PTX: 15
+  instructions per nope warp and chunk), the QK scales as an integer max (``_scale_of_byte``: 2**-127 for byte 0 below
   every other, no test and select) and P''s factors as one multiply-add and a max per byte,
   and the page division by a host multiplier (``cache_format.page_division_magic``: the rope
   warp's QK phase 188 -> 178). 64 tokens x 64/128 heads 2.5-3.1% faster (64 x 128 x 1024
@@ -136,8 +137,8 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   costs (the softmax, the scales), and at the 128-register bound ptxas adds ~30 moves in PV.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
   pass: nope warps 332 instructions (QK phase 123, softmax 59, PV 148), rope warp 375 (166 / 65
-  / 128, and 16 at the loop head); about 2700 warp-instructions per chunk against 4194 before session 6 (bf16 kernel:
-  4690). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
+  / 128, and 16 at the loop head); about 2700 warp-instructions per chunk against 4194 before
+  session 6 (bf16 kernel: 4690). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
   at 64 x 128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them
   fixed-latency dependency waits, 2 warps per scheduler).
 - A single CTA alone on an SM takes about 1.4 us per chunk (``scripts/split_sweep.py``, one
@@ -194,9 +195,9 @@ EARLY_ROW_GROUPS = {1: 1, 2: 4}
 # loops follows the one it accumulates onto). 4 at once: 40 more instructions per chunk at
 # the 128-register bound.
 QK_TILES_AT_ONCE = 2
-# The rope warp (registers to spare: its QK fragments are the raw bf16 rows) takes all 4 at
-# once: its QK phase, with the gather the longest of the chunk, then has no NOP between
-# dependent MMAs (measured: session 9 above).
+# The rope warp takes all 4 at once (its B fragments are the raw bf16 rows, no conversion;
+# still within the 128-register bound, no spills): its QK phase, with the gather the longest
+# of the chunk, then has no NOP between dependent MMAs (measured: session 9 above).
 ROPE_QK_TILES_AT_ONCE = 4
 
 
@@ -310,8 +311,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             smem, tidx, token, split, chunks_per_split,
             (main_cache, main_page, main_page_magic, main_block_stride, main_num_slots, main_idx, main_idx_stride,
              main_topk, main_len),
-            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride,
-             extra_topk, extra_len),
+            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx,
+             extra_idx_stride, extra_topk, extra_len),
         )
         c_begin, c_end = ctx.c_begin, ctx.c_end
         # output addresses taken at the top level (see _gather_context)

@@ -184,8 +184,8 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
             smem, tidx, token, split, chunks_per_split,
             (main_cache, main_page, main_page_magic, main_block_stride, main_num_slots, main_idx, main_idx_stride,
              main_topk, main_len),
-            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx, extra_idx_stride,
-             extra_topk, extra_len),
+            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx,
+             extra_idx_stride, extra_topk, extra_len),
         )
         sMask, sS, c_begin, c_end, raw_base = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end, ctx.raw_base
         # the epilogue's addresses, taken at the top level (see _gather_context)
