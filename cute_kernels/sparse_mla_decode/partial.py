@@ -62,24 +62,18 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
-from .cache_format import page_division_magic
 from .config import RAW_ROW_STRIDE, PartialConfig
 from .device_utils import LN_2, cp_async_zfill, load_f32, load_i32, load_smem_u8, sink_gate, store_f32
 from .layout import D_NOPE, D_QK, ROW_BYTES, SCALE_BYTES, TILE
+from .warp_ops import ue8m0_scale
 
 
 
 
 DEQUANT_VALUES = 16  # columns one thread dequantizes at a time (divides the 64-column scale tile)
-
-
-def _bits_to_f32(bits: Int32) -> Float32:
-    """Reinterpret the bits of an Int32 as a Float32."""
-    return Float32(llvm.bitcast(Float32.mlir_type, bits.ir_value()))
 
 
 class SparseMlaPartialKernel:
@@ -109,8 +103,8 @@ class SparseMlaPartialKernel:
         def ptr(dtype, align):
             return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
-        source = [ptr(Uint8, 16), Int32(1), Int64(page_division_magic(1)), Int64(0), Int32(1), ptr(Int32, 4), Int64(0),
-                  Int32(1), ptr(Int32, 4)]
+        source = [ptr(Uint8, 16), Int32(1), Int64(0), Int64(0), Int32(1), ptr(Int32, 4), Int64(0), Int32(1),
+                  ptr(Int32, 4)]
         return (
             [ptr(BFloat16, 16), Int64(0), Int64(0), Int32(1), Int32(1)]
             + source
@@ -338,7 +332,7 @@ class SparseMlaPartialKernel:
             stage = step % self.stages  # raw row buffer of chunk c
             buf = step % self.slots  # index and validity-mask buffer of chunk c
             self._next_chunk(ctx, c, c_end, step)
-            self._dequantize(ctx, stage, buf)
+            self._dequantize(ctx, stage)
             cute.arch.sync_threads()
 
             # S_w = Q_w K_w^T over this warp's slice of the QK width
@@ -697,34 +691,30 @@ class SparseMlaPartialKernel:
             cp_async_zfill(stage_base + self.scale_off + e * SCALE_BYTES, scale_addr, SCALE_BYTES, nbytes // 2)
 
     @cute.jit
-    def _dequantize(self, ctx: SimpleNamespace, stage: Int32, buf: Int32):
-        """Dequantize a landed raw stage into the bf16 KV tile (invalid entries -> rows of 0)."""
-        tXsKV, tXcKV, sMask = ctx.tXsKV, ctx.tXcKV, ctx.sMask
-        valid_rows = sMask[buf]
+    def _dequantize(self, ctx: SimpleNamespace, stage: Int32):
+        """Dequantize a landed raw stage into the bf16 KV tile. An invalid entry's row and
+        scales arrived as zeros (``_issue_rows``), so it dequantizes to a row of 0 with no test."""
+        tXsKV, tXcKV = ctx.tXsKV, ctx.tXcKV
         stage_base = ctx.raw_base + stage * self.stage_bytes
         for i in cutlass.range_constexpr(cute.size(tXsKV, mode=[1])):
             row = tXcKV[(0, 0), i, 0][0]
             col = tXcKV[(0, 0), i, 0][1]
             dst = tXsKV[None, i, 0]
-            if (valid_rows >> row) & 1 == 0:
-                dst.fill(0.0)
+            if col < D_NOPE:
+                f8 = cute.make_tensor(
+                    cute.make_ptr(Float8E4M3FN, stage_base + row * RAW_ROW_STRIDE + col, cute.AddressSpace.smem,
+                                  assumed_align=16),
+                    cute.make_layout(DEQUANT_VALUES),
+                )
+                sb = load_smem_u8(stage_base + self.scale_off + row * SCALE_BYTES + col // TILE)
+                dst.store((f8.load().to(Float32) * ue8m0_scale(sb)).to(BFloat16))
             else:
-                if col < D_NOPE:
-                    f8 = cute.make_tensor(
-                        cute.make_ptr(Float8E4M3FN, stage_base + row * RAW_ROW_STRIDE + col, cute.AddressSpace.smem, assumed_align=16),
-                        cute.make_layout(DEQUANT_VALUES),
-                    )
-                    sb = load_smem_u8(stage_base + self.scale_off + row * SCALE_BYTES + col // TILE)
-                    scale = _bits_to_f32(sb << 23)
-                    if sb == 0:
-                        scale = _bits_to_f32(Int32(1 << 22))  # 2**-127 is subnormal
-                    dst.store((f8.load().to(Float32) * scale).to(BFloat16))
-                else:
-                    rope = cute.make_tensor(
-                        cute.make_ptr(BFloat16, stage_base + row * RAW_ROW_STRIDE + D_NOPE + (col - D_NOPE) * 2, cute.AddressSpace.smem, assumed_align=16),
-                        cute.make_layout(DEQUANT_VALUES),
-                    )
-                    dst.store(rope.load())
+                rope = cute.make_tensor(
+                    cute.make_ptr(BFloat16, stage_base + row * RAW_ROW_STRIDE + D_NOPE + (col - D_NOPE) * 2,
+                                  cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout(DEQUANT_VALUES),
+                )
+                dst.store(rope.load())
 
     # ------------------------------------------------------------------ layout helpers
     @staticmethod

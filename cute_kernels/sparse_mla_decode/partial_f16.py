@@ -117,7 +117,7 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
 - Session 9 (the same day, same method, one lease, two rounds each): instruction cuts, each
   an exact rewrite (the same values by construction; the GPU suite passes unchanged): no
   identity ``prmt`` before each QK conversion (ptxas keeps one of inline PTX: 15
-  instructions per nope warp and chunk), the QK scales as an integer max (``_scale_of_byte``: 2**-127 for byte 0 below
+  instructions per nope warp and chunk), the QK scales as an integer max (``warp_ops.ue8m0_scale``: 2**-127 for byte 0 below
   every other, no test and select) and P''s factors as one multiply-add and a max per byte,
   and the page division by a host multiplier (``cache_format.page_division_magic``: the rope
   warp's QK phase 188 -> 178). 64 tokens x 64/128 heads 2.5-3.1% faster (64 x 128 x 1024
@@ -169,7 +169,7 @@ from .layout import D_NOPE, D_QK, NUM_TILES, ROW_BYTES, SCALE_BYTES
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
     e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_bf16x2, pack_f16x2,
-    sync_threads_or, warp_max_u32,
+    sync_threads_or, ue8m0_scale, warp_max_u32,
 )
 
 UNIT = 64  # columns per warp: one nope scale tile, or the rope dims
@@ -214,22 +214,14 @@ def _tree_sum(values: list):
     return values[0]
 
 
-@cute.jit
-def _pow2_f32(e: Int32) -> Float32:
-    """2**e as f32 for e <= 127 (0 below 2**-126: only ever used where that is negligible)."""
-    return f32_from_bits(cutlass.max(e + 127, 0) << 23)
-
-
-def _scale_of_byte(b: Int32) -> Float32:
-    """The UE8M0 scale 2**(b - 127), exactly: the bits b << 23 for b >= 1, and for b = 0 the
-    subnormal 2**-127 (bits 1 << 22, below every b >= 1: one integer max instead of a test
-    and a select)."""
-    return f32_from_bits(cutlass.max(b << 23, Int32(1 << 22)))
-
-
 def _pow2_f32_bits(e_bits: Int32) -> Float32:
     """2**e from ``e_bits`` = (e + 127) << 23 (an f32's bits), 0 where that is <= 0 (e <= -127)."""
     return f32_from_bits(cutlass.max(e_bits, Int32(0)))
+
+
+def _pow2_f32(e: Int32) -> Float32:
+    """2**e as f32 for e <= 127 (0 below 2**-126: only ever used where that is negligible)."""
+    return _pow2_f32_bits((e + 127) << 23)
 
 
 class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
@@ -498,7 +490,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                         for nb in tiles:
                             d[nb] = mma_f16(d[nb], [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[nb][i])
                     for nb in tiles:
-                        kf = [_scale_of_byte(sbytes[2 * nb + i]) for i in range(2)]
+                        kf = [ue8m0_scale(sbytes[2 * nb + i]) for i in range(2)]
                         self._store_s_part(bases, w, m, nb, lane, [d[nb][0] * kf[0], d[nb][1] * kf[1],
                                                                    d[nb][2] * kf[0], d[nb][3] * kf[1]])
             cute.arch.sync_threads()
@@ -534,7 +526,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             return [(w * UNIT + 16 * blk + 4 * qd, [((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2 for k in range(4)])
                     for blk in range(4)]
 
-        self._store_outputs(acc_O, _scale_of_byte(r_byte[0]), pieces, bases, lane, token, split, head0, num_heads,
+        self._store_outputs(acc_O, ue8m0_scale(r_byte[0]), pieces, bases, lane, token, split, head0, num_heads,
                             num_splits, o_part, out, out_stride_t, out_stride_h)
 
     def _rescale(self, acc_O, corr_base, ratio, g):

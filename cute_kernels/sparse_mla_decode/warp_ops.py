@@ -18,6 +18,7 @@ The lowest byte (half) of a register is the lowest index.
 
 from __future__ import annotations
 
+import cutlass
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 
@@ -140,6 +141,13 @@ def warp_max_u32(x: Int32) -> Int32:
 def f32_from_bits(bits: Int32) -> Float32:
     """Reinterpret the bits of an Int32 as a Float32."""
     return Float32(llvm.bitcast(Float32.mlir_type, Int32(bits).ir_value()))
+
+
+def ue8m0_scale(b: Int32) -> Float32:
+    """The UE8M0 scale 2**(b - 127) of scale byte ``b`` (0..254), exactly: the bits b << 23 for
+    b >= 1, and for b = 0 the subnormal 2**-127 (bits 1 << 22, below every b >= 1: one integer
+    max instead of a test and a select)."""
+    return f32_from_bits(cutlass.max(Int32(b) << 23, Int32(1 << 22)))
 
 
 def f32_bits(x: Float32) -> Int32:
