@@ -14,6 +14,9 @@ ARCH_BY_CAPABILITY = {
     (9, 0): "sm_90a",  # H100/H200: the test GPU
 }
 SUPPORTED_ARCHS = tuple(ARCH_BY_CAPABILITY.values())
+# shared memory per SM as the CUDA runtime reports it: sm_120/121 100 KB, the H200 228 KB
+# (what decides how many partial CTAs an SM holds: ``dispatch.splits.resident_ctas_per_sm``)
+SMEM_PER_SM_BY_ARCH = {"sm_120a": 102400, "sm_121a": 102400, "sm_90a": 233472}
 DEPLOYMENT_ARCHS = ("sm_120a", "sm_121a")
 
 

@@ -28,7 +28,7 @@ from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
 
 from . import loader
 from .launcher import BoundKernel, argument_kinds
-from .splits import plan_splits
+from .splits import plan_splits, two_ctas_per_sm
 from .variants import partial_shape_config, variant_space, variants_for
 
 _LOG2_E = math.log2(math.e)
@@ -88,8 +88,10 @@ class DecodePlan:
                                      entries=call.topk + call.extra_topk, smem_per_sm=call.smem_per_sm)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
                                  num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
+        two_per_sm = two_ctas_per_sm(shape, self.split, call.num_tokens, call.num_heads, call.num_sms,
+                                     call.smem_per_sm)
         self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups,
-                                     precision=call.precision)
+                                     precision=call.precision, two_ctas_per_sm=two_per_sm)
         check_in_variant_space(self.variants, call.arch, f"{self.split} for {call.launch_metadata}")
         self.final = len(self.variants) == 1
         T, S, H = call.num_tokens, self.split.num_splits, call.num_heads

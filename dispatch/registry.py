@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+
 from .metadata import DecodeMetadata
 from .variants import KernelVariant, partial_shape_config, precisions_for, variants_for
 
@@ -48,19 +50,20 @@ def _shapes() -> list[DeploymentShape]:
 DEPLOYMENT_SHAPES = tuple(_shapes())
 # num_tokens that reach decode: 1 token to prefill-sized calls (one split and several)
 DEPLOYMENT_NUM_TOKENS = (1, 2, 8, 64, 256, 4096)
-# shared memory per SM as the CUDA runtime reports it: sm_120/121 (100 KB), the H200 (228 KB)
-SM120_SMEM_PER_SM = 102400
-H200_SMEM_PER_SM = 233472
+# shared memory per SM as the CUDA runtime reports it (``cute_kernels.arch``)
+SM120_SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_120a"]
+H200_SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90a"]
 # (SM count, shared memory per SM) of the targets: RTX PRO 6000, RTX 5090, DGX Spark GB10 and
 # the H200 test GPU
 DEPLOYMENT_GPUS = ((188, SM120_SMEM_PER_SM), (170, SM120_SMEM_PER_SM), (48, SM120_SMEM_PER_SM),
                    (132, H200_SMEM_PER_SM))
 
 
-def registry_calls(precision: str):
-    """Every (metadata, num_splits, head_groups) the deployment grid produces on the deployment
-    GPUs with the ``precision`` compute path."""
-    from .splits import plan_splits
+def registry_calls(precision: str, arch: str):
+    """Every (metadata, num_splits, head_groups, two_ctas_per_sm) the deployment grid produces
+    on the deployment GPUs with the ``precision`` compute path, built for ``arch`` (whose SMs
+    decide whether two CTAs can share one: ``SMEM_PER_SM_BY_ARCH``)."""
+    from .splits import plan_splits, two_ctas_per_sm
 
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
         has_len, has_extra_len, has_sink = flags
@@ -75,14 +78,15 @@ def registry_calls(precision: str):
                                        smem_per_sm=smem_per_sm)
             plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk, cfg=cfg, num_sms=sms,
                                smem_per_sm=smem_per_sm)
-            yield md, plan.num_splits, cfg.head_groups
+            yield md, plan.num_splits, cfg.head_groups, two_ctas_per_sm(cfg, plan, T, shape.num_heads, sms,
+                                                                       SMEM_PER_SM_BY_ARCH[arch])
 
 
 def registry_variants(arch: str) -> list[KernelVariant]:
     """The variants the AOT build compiles for ``arch``, in a stable order."""
     found = {}
     for precision in precisions_for(arch):  # every path a caller can ask for, not only the default
-        for md, splits, head_groups in registry_calls(precision):
-            for v in variants_for(md, arch, splits, head_groups, precision=precision):
+        for md, splits, head_groups, two_per_sm in registry_calls(precision, arch):
+            for v in variants_for(md, arch, splits, head_groups, precision=precision, two_ctas_per_sm=two_per_sm):
                 found.setdefault(v.name, v)
     return [found[name] for name in sorted(found)]

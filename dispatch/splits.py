@@ -12,7 +12,7 @@ from cute_kernels.sparse_mla_decode.config import REGISTERS_PER_SM, MergeConfig,
 MIN_CHUNKS_PER_SPLIT = 1
 # A plan whose CTAs would have this many chunks or fewer, two to an SM, runs one CTA per SM
 # with more chunks instead (``plan_splits``)
-MAX_CHUNKS_TWO_PER_SM = 2
+MAX_CHUNKS_TWO_PER_SM = 3
 # The merge kernel combines at most this many splits (one of its threads per split).
 MAX_SPLITS = MergeConfig().max_splits
 DRIVER_SMEM_PER_CTA = 1024
@@ -29,10 +29,23 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
     """How many partial-kernel CTAs of ``cfg`` one SM holds at once (registers, shared memory).
 
     On sm_120 (100 KB of shared memory per SM) that is 1 for every configuration; on the
-    H200 (228 KB) 2 with one head group and 1 with two (registers)."""
+    H200 (228 KB) 2 for the "f16" one-group kernel held to 128 registers (``two_ctas_per_sm``)
+    and for the bf16 / FP8 one-group kernels (128 threads), 1 for two groups (registers)."""
     by_registers = REGISTERS_PER_SM // (cfg.max_registers * cfg.num_threads)
     by_smem = smem_per_sm // (cfg.smem_bytes() + DRIVER_SMEM_PER_CTA)
     return max(1, min(by_registers, by_smem))
+
+
+def two_ctas_per_sm(cfg: PartialConfig, plan: SplitPlan, num_tokens: int, num_heads: int, num_sms: int,
+                    smem_per_sm: int) -> bool:
+    """Whether the planned grid runs two CTAs at once on some SM, so that the kernel must be
+    held to half the registers (``PartialConfig.two_ctas_per_sm``): only for a ``cfg`` planned
+    that way (``dispatch.variants.partial_shape_config``), on a GPU whose SMs hold two (the
+    H200, not sm_120), and a grid of more CTAs than SMs. Otherwise each SM runs at most one
+    CTA and the kernel may use every register."""
+    if not cfg.two_ctas_per_sm or resident_ctas_per_sm(cfg, smem_per_sm) < 2:
+        return False
+    return num_tokens * -(-num_heads // cfg.heads_per_cta) * plan.num_splits > num_sms
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, cfg: PartialConfig,
@@ -47,7 +60,11 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     CTA per SM with twice the chunks instead: measured on the H200 (``scripts/split_sweep.py``,
     BENCHMARKS.md) 1 x 128 x 1024 went from 18.3 to 16.0 us and 8 x 16 x 1024 from 19.3 to
     16.4 us (one chunk per CTA: nothing to overlap its gather with), and 8 x 64 x 512 from
-    16.3 to 15.2 us (two chunks; with four, 8 x 128 x 512, two CTAs per SM stay 4% faster).
+    16.3 to 15.2 us (two chunks). The sweep of session 10 (every split count, 2026-12-01):
+    three chunks two per SM lose too (8 x 64 x 128+512 16.7 us against 15.7 with one CTA per
+    SM and five chunks; 16 x 128 x 192, 32 x 16 x 128+512, 4 x 64 x 1152 and 2 x 128 x
+    128+1024 best where this rule puts them), four tie (8 x 64 x 1024 18.8 / 18.7, 8 x 128 x
+    512 18.3 / 18.5) and eight win (8 x 128 x 1024 24.5 against 26.9 with sixteen).
     And where one CTA per SM then leaves only two splits, one split (final mode, no merge
     kernel): 64 x 16 x 128 14.1 -> 12.8 us in the sweep (the merge of 64 x 16 rows costs
     more than two more chunks), and in ``scripts/bench.py`` 64 x 16 x 128 14.0 -> 12.7 us and

@@ -5,13 +5,15 @@ A variant is a kernel configuration plus a target arch. Everything else about a 
 is a runtime argument, so the set of variants is small and closed:
 
     partial: precision (``precisions_for(arch)``) x head_groups (1 or 2: ``head_groups_for``) x has_topk_length x
-             has_extra_topk_length x (split mode | final mode without sink | final mode with sink)
+             has_extra_topk_length x (split mode | final mode without sink | final mode with sink),
+             and for the "f16" one-group kernel on an arch whose SMs hold two of it (sm_90a),
+             x two_ctas_per_sm (the 128-register launch bound: ``splits.two_ctas_per_sm``)
     merge:   has_sink x split_batch (``merge_batch_for(num_splits)``)
 
 A call whose work needs one split runs the partial kernel in final mode (it writes out
 and lse itself); otherwise the partial kernel writes per-split partials and the merge
 kernel combines them. ``variant_space(arch)`` enumerates the set;
-``variants_for(metadata, arch, num_splits, head_groups)`` picks from it.
+``variants_for(metadata, arch, num_splits, head_groups, two_ctas_per_sm=...)`` picks from it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.config import (
     BLOCK_SCALED_ARCHS, MERGE_BATCHES, PRECISIONS, MergeConfig, PartialConfig, merge_batch_for,
 )
@@ -85,7 +88,7 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     if num_heads <= 16:
         return 1
     if precision == "f16":
-        if resident_ctas_per_sm(PartialConfig(precision="f16"), smem_per_sm) > 1:
+        if resident_ctas_per_sm(PartialConfig(precision="f16", two_ctas_per_sm=True), smem_per_sm) > 1:
             return 1
         min_blocks, min_entries = F16_TWO_GROUPS_MIN_BLOCKS, F16_TWO_GROUPS_MIN_ENTRIES
     else:
@@ -99,10 +102,14 @@ def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
                          precision: str = DEFAULT_PRECISION, *, entries: int, smem_per_sm: int) -> PartialConfig:
     """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
     call on a GPU of ``num_sms`` SMs with ``smem_per_sm`` bytes of shared memory each: what
-    the split plan depends on (the flags of a variant do not change its resources)."""
-    return PartialConfig(head_groups=head_groups_for(num_heads, num_tokens, num_sms, entries=entries,
-                                                     smem_per_sm=smem_per_sm, precision=precision),
-                         precision=precision)
+    the split plan depends on (the flags of a variant do not change its resources). The
+    "f16" one-group kernel is planned as two CTAs per SM where the SM holds two
+    (``two_ctas_per_sm``; the launch then drops that bound where the grid has no more CTAs
+    than SMs: ``splits.two_ctas_per_sm``)."""
+    groups = head_groups_for(num_heads, num_tokens, num_sms, entries=entries, smem_per_sm=smem_per_sm,
+                             precision=precision)
+    return PartialConfig(head_groups=groups, precision=precision,
+                         two_ctas_per_sm=precision == "f16" and groups == 1)
 
 
 def precisions_for(arch: str) -> tuple[str, ...]:
@@ -118,7 +125,8 @@ def resolve_precision(precision: str | None, arch: str) -> str:
     on the H200 it is faster than "bf16" on every bench shape (up to 1.9x at 64 tokens x
     64/128 heads) and as accurate (the cache values are exact in f16; P has 11 bits, not
     8); its sm_120a main loop per chunk and thread (16 heads, without the rare rescale) has
-    358 instructions in the nope warps and 375 in the rope warp, against bf16's 1194.
+    319 instructions in the nope warps and 348 in the rope warp (sm_120: one CTA per SM, no
+    128-register bound), against bf16's 1117.
     The FP8 paths are slower on the H200 (sm_90 has no e4m3 ``mma.sync``: ptxas emulates
     it) and 10x less accurate; on sm_120 they are for measuring there first."""
     if precision is None:
@@ -130,9 +138,10 @@ def resolve_precision(precision: str | None, arch: str) -> str:
 
 
 def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: int,
-                 precision: str = DEFAULT_PRECISION) -> tuple[KernelVariant, ...]:
+                 precision: str = DEFAULT_PRECISION, *, two_ctas_per_sm: bool = False) -> tuple[KernelVariant, ...]:
     """The variants to launch, in order, for the call described by ``md``, split
-    ``num_splits`` ways with ``head_groups`` 16-head groups per CTA (``head_groups_for``)."""
+    ``num_splits`` ways with ``head_groups`` 16-head groups per CTA (``head_groups_for``),
+    the partial kernel held to two CTAs' registers per SM or not (``splits.two_ctas_per_sm``)."""
     final = num_splits == 1
     partial = PartialConfig(
         head_groups=head_groups,
@@ -141,6 +150,7 @@ def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: in
         final_output=final,
         has_sink=final and md.has_sink,
         precision=precision,
+        two_ctas_per_sm=two_ctas_per_sm,
     )
     if final:
         return (KernelVariant(partial, arch),)
@@ -153,11 +163,13 @@ _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sin
 
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``."""
+    two_fit = resident_ctas_per_sm(PartialConfig(two_ctas_per_sm=True), SMEM_PER_SM_BY_ARCH[arch]) > 1
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
-                                    has_sink=s, precision=p), arch)
-        for p, g, a, b, (f, s) in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
-                                                    _MODES)
+                                    has_sink=s, precision=p, two_ctas_per_sm=two), arch)
+        for p, g, a, b, (f, s), two in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
+                                                         _MODES, (False, True))
+        if not two or (p == "f16" and g == 1 and two_fit)
     ]
     out += [KernelVariant(MergeConfig(has_sink=s, split_batch=b), arch) for s in (False, True) for b in MERGE_BATCHES]
     return out

@@ -95,6 +95,8 @@ def force_partial_config(**fields) -> None:
     import dispatch.plan as plan_mod
     from cute_kernels.sparse_mla_decode.config import PartialConfig
 
+    if fields.get("head_groups", 1) != 1:  # the 128-register bound is the one-group kernel's alone
+        fields = dict(fields, two_ctas_per_sm=False)
     shape_config, variants = plan_mod.partial_shape_config, plan_mod.variants_for
     plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), **fields)
     plan_mod.variants_for = lambda *a, **k: tuple(

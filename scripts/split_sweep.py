@@ -8,7 +8,7 @@ with the variant-space check off for the run; ``--precision`` times that compute
 
 For every shape: the split ``plan_splits`` picks, then the call timed (bench.py's method:
 CUDA-graph replay, ``do_bench`` median with its L2 clear) with the split count forced to
-each candidate (powers of two and the dispatch's own choice, up to the chunk count and
+each candidate (every count that equal chunk ranges give, ``split_candidates``, up to
 ``MAX_SPLITS``). The forcing replaces ``dispatch.plan.plan_splits`` for the run; the kernels
 and everything else are the shipped ones. Prints one line per shape: us per split count,
 the best marked with *.
@@ -42,6 +42,12 @@ def forced(num_splits: int):
     return plan
 
 
+def split_candidates(num_chunks: int) -> set:
+    """Every split count that equal chunk ranges give (``forced``): ceil(chunks / per) for
+    every chunks-per-split ``per``, up to ``MAX_SPLITS``."""
+    return {-(-num_chunks // per) for per in range(1, num_chunks + 1)} & set(range(1, MAX_SPLITS + 1))
+
+
 def main(argv=None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     groups, precision = None, None
@@ -67,13 +73,12 @@ def main(argv=None) -> int:
                                    entries=call.topk + call.extra_topk,
                                    smem_per_sm=props.shared_memory_per_multiprocessor)
         if groups:
-            cfg = dataclasses.replace(cfg, head_groups=groups)
+            cfg = dataclasses.replace(cfg, head_groups=groups, two_ctas_per_sm=cfg.two_ctas_per_sm and groups == 1)
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,
                              smem_per_sm=props.shared_memory_per_multiprocessor)
-        limit = min(chosen.num_chunks, MAX_SPLITS)
-        candidates = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s <= limit} | {chosen.num_splits})
+        candidates = split_candidates(chosen.num_chunks) | {chosen.num_splits}
         times = {}
-        for s in candidates:
+        for s in sorted(candidates):
             plan_mod.plan_splits = forced(s)
             api._PLANS.clear()
             try:

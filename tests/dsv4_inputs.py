@@ -5,17 +5,21 @@ from __future__ import annotations
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import default_block_stride, pack_latent
-from cute_kernels.sparse_mla_decode.layout import D_QK, TOKEN_BYTES
+from cute_kernels.sparse_mla_decode.layout import D_NOPE, D_QK, NUM_TILES, ROW_BYTES, SCALE_BYTES, TOKEN_BYTES
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def make_cache(num_blocks: int, page: int, *, device, block_stride: int | None = None, poison_blocks=(),
-               layout: str = "nhd", gen: torch.Generator | None = None, spread: int = 0) -> torch.Tensor:
+               layout: str = "nhd", gen: torch.Generator | None = None, spread: int = 0,
+               tiny: bool = False) -> torch.Tensor:
     """A random FP8 cache. Blocks in ``poison_blocks`` and every padding byte are 0xFF (NaN as
     e4m3 and as bf16, scale 2**128): a kernel that reads them produces NaN. ``spread``: each
     token's latent is multiplied by a random power of two in [2**-spread, 2**spread], so the
-    tokens' scale bytes differ by up to 2 * spread."""
+    tokens' scale bytes differ by up to 2 * spread. ``tiny``: every scale byte drawn from
+    0, 1, 2 (2**-127 .. 2**-125, the bottom of UE8M0, below what the model writes) and the
+    rope dims 0, so the output is that tiny latent's alone: a kernel that takes byte 0 for 0
+    rather than 2**-127 gets it wrong."""
     latent = torch.randn(num_blocks, page, D_QK, generator=gen, device="cpu")
     if spread:
         latent = latent * torch.exp2(torch.randint(-spread, spread + 1, (num_blocks, page, 1), generator=gen).float())
@@ -23,6 +27,12 @@ def make_cache(num_blocks: int, page: int, *, device, block_stride: int | None =
     stride = default_block_stride(page) if block_stride is None else block_stride
     cache = pack_latent(latent.to(device), block_stride=stride)
     buf = torch.as_strided(cache, (num_blocks, stride), (stride, 1))
+    if tiny:
+        rows = buf[:, :page * ROW_BYTES].view(num_blocks, page, ROW_BYTES)
+        rows[..., D_NOPE:] = 0
+        footer = buf[:, page * ROW_BYTES:page * TOKEN_BYTES].view(num_blocks, page, SCALE_BYTES)
+        footer[..., :NUM_TILES] = torch.randint(0, 3, (num_blocks, page, NUM_TILES), generator=gen,
+                                                dtype=torch.uint8).to(device)
     buf[:, page * TOKEN_BYTES:] = 0xFF
     for b in poison_blocks:
         buf[b] = 0xFF

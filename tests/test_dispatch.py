@@ -11,7 +11,7 @@ from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from dispatch import InvalidDecodeInput, sparse_mla_decode
 from dispatch.metadata import MODEL_TYPE, DecodeMetadata
 from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
-from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm
+from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm, two_ctas_per_sm
 from dispatch.variants import (
     head_groups_for, partial_shape_config, precisions_for, resolve_precision, variant_space, variants_for,
 )
@@ -120,6 +120,7 @@ def test_split_plans_follow_the_h200_measurements():
         (1, 128, 1024, 0): (2, 16),  # single-chunk CTAs would be two per SM: one per SM, two chunks
         (8, 16, 1024, 0): (2, 16),
         (8, 64, 512, 0): (4, 4),  # two-chunk CTAs two per SM: one per SM, four chunks (16.1 -> 14.9 us)
+        (8, 64, 128, 512): (5, 4),  # three-chunk CTAs two per SM: one per SM, five (16.7 -> 15.7 us)
         (8, 128, 512, 0): (4, 4),  # four chunks: two CTAs per SM stay
         (8, 128, 1024, 0): (8, 4),
         (64, 16, 128, 0): (4, 1),  # one CTA per SM would leave two splits: one, no merge (14.0 -> 12.7 us)
@@ -130,6 +131,23 @@ def test_split_plans_follow_the_h200_measurements():
         cfg = partial_shape_config(H, T, 132, entries=topk + extra, smem_per_sm=H200_SMEM_PER_SM)
         plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=132, smem_per_sm=H200_SMEM_PER_SM)
         assert (plan.chunks_per_split, plan.num_splits) == want, (T, H, topk, extra, plan)
+
+
+@pytest.mark.parametrize("T,H,topk,extra", [(1, 128, 1024, 0), (8, 16, 512, 0), (64, 16, 128, 0), (8, 128, 1024, 0),
+                                            (64, 128, 512, 0), (8, 64, 128, 512), (256, 8, 128, 0)])
+def test_register_bound_only_where_two_ctas_share_an_sm(T, H, topk, extra):
+    """The "f16" one-group kernel is held to 128 registers exactly where its grid has more
+    CTAs than the H200 has SMs (two then share one); never on sm_120 (one CTA per SM)."""
+    md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=64, extra_topk=extra)
+    for sms, smem, arch in ((132, H200_SMEM_PER_SM, "sm_90a"), (188, SM120_SMEM_PER_SM, "sm_120a")):
+        cfg = partial_shape_config(H, T, sms, entries=topk + extra, smem_per_sm=smem)
+        plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=sms, smem_per_sm=smem)
+        two = two_ctas_per_sm(cfg, plan, T, H, sms, smem)
+        ctas = T * math.ceil(H / cfg.heads_per_cta) * plan.num_splits
+        assert two == (arch == "sm_90a" and cfg.head_groups == 1 and ctas > sms), (arch, cfg, plan)
+        partial = variants_for(md, arch, plan.num_splits, cfg.head_groups, two_ctas_per_sm=two)[0]
+        assert partial.config.max_registers == (128 if two else 255)
+        assert partial in variant_space(arch)
 
 
 # ---------------------------------------------------------------------- refusals
@@ -229,11 +247,16 @@ def test_resident_ctas_per_sm():
     precision; the H200 (228 KB) two of the one-group shape (bf16: 128 threads; f16: 256
     threads held to 128 registers by the launch bound) and one of the two-group shape."""
     for precision in ("bf16", "f16"):
-        one, two = (PartialConfig(head_groups=g, precision=precision) for g in (1, 2))
+        one, two = (PartialConfig(head_groups=g, precision=precision, two_ctas_per_sm=g == 1 and precision == "f16")
+                    for g in (1, 2))
         assert resident_ctas_per_sm(one, SM120_SMEM_PER_SM) == resident_ctas_per_sm(two, SM120_SMEM_PER_SM) == 1
         assert resident_ctas_per_sm(one, H200_SMEM_PER_SM) == 2
         assert resident_ctas_per_sm(two, H200_SMEM_PER_SM) == 1
-    assert PartialConfig(head_groups=1).max_registers == 128 and PartialConfig(head_groups=2).max_registers == 255
+    assert PartialConfig(head_groups=1, two_ctas_per_sm=True).max_registers == 128
+    assert PartialConfig(head_groups=1).max_registers == PartialConfig(head_groups=2).max_registers == 255
+    assert resident_ctas_per_sm(PartialConfig(head_groups=1), H200_SMEM_PER_SM) == 1  # 136 registers: one
+    with pytest.raises(ValueError, match="one-group"):
+        PartialConfig(head_groups=2, two_ctas_per_sm=True).check()
 
 
 def test_precision_defaults_and_availability():
@@ -250,5 +273,6 @@ def test_precision_defaults_and_availability():
     for arch in ("sm_90a", "sm_120a"):
         counts = {p: sum(1 for v in variant_space(arch) if v.kind == "partial" and v.config.precision == p)
                   for p in precisions_for(arch)}
-        # every precision serves every call shape (2 groups x 12)
-        assert counts == {p: 24 for p in precisions_for(arch)}
+        # every precision serves every call shape (2 groups x 12), and on the H200 the "f16"
+        # one-group kernel also held to two CTAs per SM (12 more)
+        assert counts == {p: 24 + (12 if p == "f16" and arch == "sm_90a" else 0) for p in precisions_for(arch)}

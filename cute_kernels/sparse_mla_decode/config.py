@@ -64,6 +64,7 @@ class PartialConfig:
     block_n: int = 32
     warps_per_group: int = 4
     num_stages: int | None = None  # raw row stages; None: ``default_stages``
+    two_ctas_per_sm: bool = False  # "f16" one group only: held to 128 registers (``min_ctas_per_sm``)
 
     @property
     def stages(self) -> int:
@@ -103,11 +104,15 @@ class PartialConfig:
 
     @property
     def min_ctas_per_sm(self) -> int:
-        """The launch bound (``.minnctapersm``): the "f16" one-group kernel is held to 128
-        registers so that two of its 256-thread CTAs fit an SM's registers (the H200 then
-        runs 16 warps per SM; on sm_120 shared memory allows one CTA anyway); every other
-        kernel may use all 255."""
-        return 2 if self.precision == "f16" and self.head_groups == 1 else 1
+        """The launch bound (``.minnctapersm``). ``two_ctas_per_sm`` (the "f16" one-group
+        kernel only): held to 128 registers so that two of its 256-thread CTAs fit an SM's
+        registers, which the dispatch asks for where a call's grid puts two on an SM (the
+        H200, ``dispatch.splits.two_ctas_per_sm``; on sm_120 shared memory allows one CTA
+        anyway). Otherwise ptxas may use all 255 (the "f16" one-group kernel then takes 136,
+        and its sm_120a main loop is 332 -> 319 instructions per chunk in the nope warps, 375
+        -> 348 in the rope warp; measured on the H200 at one CTA per SM, 2026-12-01: 1-3.4%
+        faster at 1 and 8 tokens, BENCHMARKS.md)."""
+        return 2 if self.two_ctas_per_sm else 1
 
     @property
     def max_registers(self) -> int:
@@ -158,6 +163,8 @@ class PartialConfig:
             raise ValueError(f"warps_per_group {self.warps_per_group} must split {D_QK} into 64-wide slices")
         if self.block_n * (D_QK // 8) % self.num_threads != 0:
             raise ValueError("block_n * 64 must be a multiple of the thread count")
+        if self.two_ctas_per_sm and (self.precision != "f16" or self.head_groups != 1):
+            raise ValueError("two_ctas_per_sm is for the \"f16\" one-group kernel (no other kernel has a 128-register bound)")
         if self.stages not in (2, 3):
             raise ValueError(f"num_stages {self.stages} must be 2 or 3 (the cp.async group order of _next_chunk)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -170,7 +177,7 @@ class PartialConfig:
             f"sparse_mla_partial_{self.precision}_g{self.head_groups}x{self.heads_per_group}_n{self.block_n}"
             f"_w{self.warps_per_group}_s{self.stages}"
             f"_len{int(self.has_topk_length)}{int(self.has_extra_topk_length)}"
-            f"_final{int(self.final_output)}_sink{int(self.has_sink)}"
+            f"_final{int(self.final_output)}_sink{int(self.has_sink)}_occ{self.min_ctas_per_sm}"
         )
 
 

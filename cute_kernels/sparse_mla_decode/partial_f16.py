@@ -135,9 +135,17 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   87 KB): 14 x 363 + 2 x 365 = 5812 warp-instructions per chunk for 32 heads against
   2 x 2873 for two 16-head CTAs. The conversions halve, but each warp keeps its own fixed
   costs (the softmax, the scales), and at the 128-register bound ptxas adds ~30 moves in PV.
+- Session 10 (the same day, one lease, two rounds): the 128-register launch bound only where
+  the grid puts two CTAs on an SM (``PartialConfig.two_ctas_per_sm``); with one CTA per SM
+  ptxas takes 136 registers and the sm_120a loops shorten (below): every 1- and 8-token shape
+  that runs one CTA per SM 1-3.4% faster (1 x 128 x 1024 12.80 -> 12.45 us, 1 x 128 x 128+512
+  12.13 -> 11.84), 64 x 16 x 128 and 8 x 64 x 128 unchanged; held to one CTA per SM where the
+  grid needs two, 12-33% slower (which is why the bound stays there). Four QK n tiles at once
+  without the bound: PV 136 -> 149 instructions, not kept.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
-  pass: nope warps 332 instructions (QK phase 123, softmax 59, PV 148), rope warp 375 (166 / 65
-  / 128, and 16 at the loop head); about 2700 warp-instructions per chunk against 4194 before
+  pass, held to 128 registers: nope warps 332 instructions (QK phase 123, softmax 59, PV 148),
+  rope warp 375 (166 / 65 / 128, and 16 at the loop head); without the bound (136 registers,
+  sm_120's kernel): 319 (122 / 59 / 136) and 348 (16 + 159 / 55 / 118); about 2700 warp-instructions per chunk against 4194 before
   session 6 (bf16 kernel: 4690). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
   at 64 x 128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them
   fixed-latency dependency waits, 2 warps per scheduler).

@@ -72,7 +72,7 @@ from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BI
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
     byte_perm, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_e4m3, mma_mxf8, pack_bf16x2, pack_e4m3x4,
-    quantize_two_terms, warp_max_u32,
+    quantize_two_terms, ue8m0_scale, warp_max_u32,
 )
 
 UNIT = 64  # columns per nope unit: one scale tile
@@ -331,7 +331,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
 
         # ---- epilogue: nope units times 2**(R - 135) (the value scales were folded into P
         # relative to R, with 8 binades of headroom); the rope columns as accumulated
-        scale = [f32_from_bits(r_byte[u] << 23) * (1.0 / (1 << P_HEADROOM_LOG2)) for u in range(2)]
+        scale = [ue8m0_scale(r_byte[u]) * (1.0 / (1 << P_HEADROOM_LOG2)) for u in range(2)]
         for r in cutlass.range_constexpr(2):
             total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
             head = ghead0 + g + 8 * r
@@ -418,7 +418,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
                     for j in js:
                         t[j] = mma_e4m3(t[j], qr[4 * s:4 * s + 4], kb[j][2 * s:2 * s + 2])
                 for j in js:
-                    kfac = [f32_from_bits(((sbytes[2 * j + i] >> (8 * u)) & 0xFF) << 23) for i in range(2)]
+                    kfac = [ue8m0_scale((sbytes[2 * j + i] >> (8 * u)) & 0xFF) for i in range(2)]
                     for k in cutlass.range_constexpr(4):
                         acc_S[4 * j + k] = acc_S[4 * j + k] + t[j][k] * kfac[k % 2]
 
