@@ -140,8 +140,14 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   ptxas takes 136 registers and the sm_120a loops shorten (below): every 1- and 8-token shape
   that runs one CTA per SM 1-3.4% faster (1 x 128 x 1024 12.80 -> 12.45 us, 1 x 128 x 128+512
   12.13 -> 11.84), 64 x 16 x 128 and 8 x 64 x 128 unchanged; held to one CTA per SM where the
-  grid needs two, 12-33% slower (which is why the bound stays there). Four QK n tiles at once
-  without the bound: PV 136 -> 149 instructions, not kept.
+  grid needs two, 12-33% slower (which is why the bound stays there). Tried and not kept: a
+  9th warp that only gathers, for the kernel without the bound (the rope warp's loop 348 ->
+  228 instructions, the longest phases per chunk summed 354 -> 327, but the nope warps' loop
+  319 -> 329 by 19 register moves where the rescale loop joins): correct, and 0.98-1.05x on
+  the H200 at one CTA per SM, mostly slower (1 x 128 x 1024 12.67 -> 13.18 us); with two head
+  groups 9 warps put 3 on one scheduler, whose 16K registers cap each thread at 168 (the
+  32-head kernel needs 202: it spilled). Four QK n tiles at once without the bound: PV 136 ->
+  149 instructions (SASS only).
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
   pass, held to 128 registers: nope warps 332 instructions (QK phase 123, softmax 59, PV 148),
   rope warp 375 (166 / 65 / 128, and 16 at the loop head); without the bound (136 registers,
