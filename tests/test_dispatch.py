@@ -242,6 +242,15 @@ def test_readme_table_lists_every_refusal():
     assert table == {name: message for name, _, _, message in BAD}
 
 
+def test_every_supported_arch_has_its_shared_memory_per_sm():
+    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH, SUPPORTED_ARCHS
+
+    assert set(SMEM_PER_SM_BY_ARCH) == set(SUPPORTED_ARCHS)
+    for arch in SUPPORTED_ARCHS:  # the 128-register variants only where an SM holds two CTAs
+        held = any(v.kind == "partial" and v.config.two_ctas_per_sm for v in variant_space(arch))
+        assert held == (arch == "sm_90a")
+
+
 def test_resident_ctas_per_sm():
     """sm_120 (100 KB of shared memory per SM) holds one partial CTA of either shape and
     precision; the H200 (228 KB) two of the one-group shape (bf16: 128 threads; f16: 256

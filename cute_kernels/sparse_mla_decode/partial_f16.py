@@ -140,7 +140,7 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   ptxas takes 136 registers and the sm_120a loops shorten (below): every 1- and 8-token shape
   that runs one CTA per SM 1-3.4% faster (1 x 128 x 1024 12.80 -> 12.45 us, 1 x 128 x 128+512
   12.13 -> 11.84), 64 x 16 x 128 and 8 x 64 x 128 unchanged; held to one CTA per SM where the
-  grid needs two, 12-33% slower (which is why the bound stays there). Tried and not kept: a
+  grid needs two, 13-33% slower (which is why the bound stays there). Tried and not kept: a
   9th warp that only gathers, for the kernel without the bound (the rope warp's loop 348 ->
   228 instructions, the longest phases per chunk summed 354 -> 327, but the nope warps' loop
   319 -> 329 by 19 register moves where the rescale loop joins): correct, and 0.98-1.05x on
