@@ -53,23 +53,23 @@ DEPLOYMENT_NUM_TOKENS = (1, 2, 8, 64, 256, 4096)
 # shared memory per SM as the CUDA runtime reports it (``cute_kernels.arch``)
 SM120_SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_120a"]
 H200_SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90a"]
-# (SM count, shared memory per SM) of the targets: RTX PRO 6000, RTX 5090, DGX Spark GB10 and
-# the H200 test GPU
-DEPLOYMENT_GPUS = ((188, SM120_SMEM_PER_SM), (170, SM120_SMEM_PER_SM), (48, SM120_SMEM_PER_SM),
-                   (132, H200_SMEM_PER_SM))
+# SM counts of the targets: RTX PRO 6000, RTX 5090, DGX Spark GB10 and the H200 test GPU. Every
+# arch's build is planned for all of them (an SM count is a runtime value), each with the
+# arch's own shared memory per SM (``SMEM_PER_SM_BY_ARCH``: what decides the CTAs per SM)
+DEPLOYMENT_SM_COUNTS = (188, 170, 48, 132)
 
 
 def registry_calls(precision: str, arch: str):
     """Every (metadata, num_splits, head_groups, two_ctas_per_sm) the deployment grid produces
-    on the deployment GPUs with the ``precision`` compute path, built for ``arch`` (whose SMs
-    decide whether two CTAs can share one: ``SMEM_PER_SM_BY_ARCH``)."""
+    with the ``precision`` compute path for ``arch``, on each of ``DEPLOYMENT_SM_COUNTS``."""
     from .splits import plan_splits, two_ctas_per_sm
 
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
         has_len, has_extra_len, has_sink = flags
         if has_extra_len and shape.extra_topk == 0:
             continue
-        for T, (sms, smem_per_sm) in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_GPUS):
+        smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
+        for T, sms in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS):
             md = DecodeMetadata(num_tokens=T, num_heads=shape.num_heads, d_qk=512, topk=shape.topk,
                                 page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
@@ -79,7 +79,7 @@ def registry_calls(precision: str, arch: str):
             plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk, cfg=cfg, num_sms=sms,
                                smem_per_sm=smem_per_sm)
             yield md, plan.num_splits, cfg.head_groups, two_ctas_per_sm(cfg, plan, T, shape.num_heads, sms,
-                                                                       SMEM_PER_SM_BY_ARCH[arch])
+                                                                       smem_per_sm)
 
 
 def registry_variants(arch: str) -> list[KernelVariant]:

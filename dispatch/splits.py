@@ -36,6 +36,11 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
     return max(1, min(by_registers, by_smem))
 
 
+def ctas_per_split(num_tokens: int, num_heads: int, cfg: PartialConfig) -> int:
+    """The CTAs one split of a call launches: one per token and block of ``cfg.heads_per_cta`` heads."""
+    return num_tokens * -(-num_heads // cfg.heads_per_cta)
+
+
 def two_ctas_per_sm(cfg: PartialConfig, plan: SplitPlan, num_tokens: int, num_heads: int, num_sms: int,
                     smem_per_sm: int) -> bool:
     """Whether the planned grid runs two CTAs at once on some SM, so that the kernel must be
@@ -45,7 +50,7 @@ def two_ctas_per_sm(cfg: PartialConfig, plan: SplitPlan, num_tokens: int, num_he
     CTA and the kernel may use every register."""
     if not cfg.two_ctas_per_sm or resident_ctas_per_sm(cfg, smem_per_sm) < 2:
         return False
-    return num_tokens * -(-num_heads // cfg.heads_per_cta) * plan.num_splits > num_sms
+    return ctas_per_split(num_tokens, num_heads, cfg) * plan.num_splits > num_sms
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, cfg: PartialConfig,
@@ -71,7 +76,7 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     8 x 128 x 128 13.1 -> 12.2. (On sm_120 an SM holds one CTA anyway.)"""
     block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
-    base_ctas = num_tokens * -(-num_heads // cfg.heads_per_cta)
+    base_ctas = ctas_per_split(num_tokens, num_heads, cfg)
 
     def split_for(slots: int) -> SplitPlan:
         wanted = min(max(1, slots // base_ctas), MAX_SPLITS)  # rounded down: never a second wave

@@ -99,15 +99,17 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
 
 
 def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
-                         precision: str = DEFAULT_PRECISION, *, entries: int, smem_per_sm: int) -> PartialConfig:
+                         precision: str = DEFAULT_PRECISION, *, entries: int, smem_per_sm: int,
+                         head_groups: int | None = None) -> PartialConfig:
     """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
     call on a GPU of ``num_sms`` SMs with ``smem_per_sm`` bytes of shared memory each: what
     the split plan depends on (the flags of a variant do not change its resources). The
     "f16" one-group kernel is planned as two CTAs per SM where the SM holds two
     (``two_ctas_per_sm``; the launch then drops that bound where the grid has no more CTAs
-    than SMs: ``splits.two_ctas_per_sm``)."""
-    groups = head_groups_for(num_heads, num_tokens, num_sms, entries=entries, smem_per_sm=smem_per_sm,
-                             precision=precision)
+    than SMs: ``splits.two_ctas_per_sm``). ``head_groups``: that many instead of
+    ``head_groups_for``'s choice (a measurement aid: ``scripts/bench.py --head-groups``)."""
+    groups = head_groups or head_groups_for(num_heads, num_tokens, num_sms, entries=entries,
+                                            smem_per_sm=smem_per_sm, precision=precision)
     return PartialConfig(head_groups=groups, precision=precision,
                          two_ctas_per_sm=precision == "f16" and groups == 1)
 

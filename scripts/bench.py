@@ -86,21 +86,22 @@ def inputs(T, H, shape, caches, gen):
     return q, main, idx, {}, topk
 
 
-def force_partial_config(**fields) -> None:
-    """Make every plan's partial kernel use these ``PartialConfig`` fields (``head_groups``,
-    ``num_stages``): a measurement aid, with the variant-space check switched off for the
-    process. The split plan sees them too (``partial_shape_config``)."""
+def force_partial_config(head_groups: int | None = None, num_stages: int | None = None) -> None:
+    """Make every plan's partial kernel use ``head_groups`` 16-head groups per CTA and
+    ``num_stages`` raw row stages (each where given): a measurement aid, with the
+    variant-space check switched off for the process. The split plan sees them too
+    (``partial_shape_config``, which derives the rest of the shape from the head groups)."""
     import dataclasses
 
     import dispatch.plan as plan_mod
     from cute_kernels.sparse_mla_decode.config import PartialConfig
 
-    if fields.get("head_groups", 1) != 1:  # the 128-register bound is the one-group kernel's alone
-        fields = dict(fields, two_ctas_per_sm=False)
     shape_config, variants = plan_mod.partial_shape_config, plan_mod.variants_for
-    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(shape_config(*a, **k), **fields)
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(
+        shape_config(*a, **k, head_groups=head_groups), **stages)
     plan_mod.variants_for = lambda *a, **k: tuple(
-        dataclasses.replace(v, config=dataclasses.replace(v.config, **fields))
+        dataclasses.replace(v, config=dataclasses.replace(v.config, **stages))
         if isinstance(v.config, PartialConfig) else v for v in variants(*a, **k))
     plan_mod.check_in_variant_space = lambda *a, **k: None
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cute_kernels.sparse_mla_decode.config import PRECISIONS, PartialConfig  # noqa: E402
 from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES  # noqa: E402
 from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM  # noqa: E402
-from dispatch.splits import plan_splits  # noqa: E402
+from dispatch.splits import ctas_per_split, plan_splits  # noqa: E402
 from scripts.bench import GRID, list_lengths  # noqa: E402
 from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E402
 
@@ -108,8 +108,7 @@ def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict,
     topk, extra = list_lengths(shape)
     cfg = partial_shape_config(H, T, dev.num_sms, precision, entries=topk + extra, smem_per_sm=dev.smem_per_sm)
     split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
-    head_blocks = -(-H // cfg.heads_per_cta)
-    ctas = T * head_blocks * split.num_splits
+    ctas = ctas_per_split(T, H, cfg) * split.num_splits
     ctas_per_sm = math.ceil(ctas / dev.num_sms)
     warp_instructions = ctas_per_sm * split.chunks_per_split * instrs[cfg.head_groups]
     issue_us = warp_instructions / (SCHEDULERS_PER_SM * ISSUE_RATE * dev.clock_ghz * 1e3)

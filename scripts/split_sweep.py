@@ -16,7 +16,6 @@ the best marked with *.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -71,9 +70,7 @@ def main(argv=None) -> int:
         call = api.validate_call(q, cache, idx, **kw)
         cfg = partial_shape_config(H, T, props.multi_processor_count, precision or DEFAULT_PRECISION,
                                    entries=call.topk + call.extra_topk,
-                                   smem_per_sm=props.shared_memory_per_multiprocessor)
-        if groups:
-            cfg = dataclasses.replace(cfg, head_groups=groups, two_ctas_per_sm=cfg.two_ctas_per_sm and groups == 1)
+                                   smem_per_sm=props.shared_memory_per_multiprocessor, head_groups=groups)
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,
                              smem_per_sm=props.shared_memory_per_multiprocessor)
         candidates = split_candidates(chosen.num_chunks) | {chosen.num_splits}

@@ -235,14 +235,12 @@ TWO_GROUP_CASES = [c for c in CASES if c.H > 16] + [
 
 @pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
 def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
-    import dataclasses as dc
-
     import dispatch.api as api
     import dispatch.plan as plan_mod
 
     shape_config = plan_mod.partial_shape_config
     monkeypatch.setattr(plan_mod, "partial_shape_config",
-                        lambda *a, **k: dc.replace(shape_config(*a, **k), head_groups=2, two_ctas_per_sm=False))
+                        lambda *a, **k: shape_config(*a, **k, head_groups=2))
     monkeypatch.setattr(api, "_PLANS", {})  # plans of this test only, dropped after it
     device = torch.device("cuda")
     q, cache, idx, kw = build_inputs(case, device)
