@@ -97,7 +97,8 @@ class LoopMix:
     # softmax max moved): ``instructions - nested`` is the pass that skips them
     nested: int = 0
     # MMAs whose accumulator input is the output of the MMA just before them in program
-    # order: each waits for that one's whole latency (two or more interleaved chains hide it)
+    # order, fewer than ``CHAIN_WINDOW`` instructions back: each waits for that one's whole
+    # latency (two or more interleaved chains hide it)
     chained_mma: int = 0
 
 
@@ -139,15 +140,20 @@ def _backward_loops(body, label_addr) -> list:
 _MMA_OPERANDS = re.compile(r"^(?:@!?U?P\w+\s+)?[A-Z]*MMA\S*\s+(R\d+),\s*(R\d+),\s*(R\d+),\s*(R\d+|RZ)")
 
 
+# An MMA's latency in issue slots (about 32 cycles on SM80-SM120 for a 16-bit m16n8k16): a
+# dependent MMA at least this many instructions later does not wait for it.
+CHAIN_WINDOW = 32
+
+
 def _chained_mma(texts) -> int:
     """How many MMAs of ``texts`` (in program order) take the previous MMA's D register as
-    their accumulator C (``HMMA D, A, B, C``)."""
-    chained, previous_d = 0, None
-    for text in texts:
+    their accumulator C (``HMMA D, A, B, C``) fewer than ``CHAIN_WINDOW`` instructions after it."""
+    chained, previous_d, previous_at = 0, None, 0
+    for at, text in enumerate(texts):
         m = _MMA_OPERANDS.match(text)
         if m:
-            chained += m.group(4) == previous_d
-            previous_d = m.group(1)
+            chained += m.group(4) == previous_d and at - previous_at < CHAIN_WINDOW
+            previous_d, previous_at = m.group(1), at
     return chained
 
 

@@ -5,7 +5,7 @@
 No SM120 GPU has run these kernels: every number this prints for it is a model, not a
 measurement. The model, per shape of scripts/bench.py's grid:
 
-    time = FIXED_US + max(issue_us, memory_us)
+    time = FIXED_US + max(issue_us, tensor_us, memory_us)
 
 - issue_us: the partial kernel is bound by instruction issue on the H200 (ncu: issue slots
   26% busy, see BENCHMARKS.md). Per SM it issues (CTAs per SM) x (chunks per CTA) x (the
@@ -13,6 +13,13 @@ measurement. The model, per shape of scripts/bench.py's grid:
   sm_120a SASS of the shipped kernel times the warps running that loop); at ISSUE_RATE warp-instructions per scheduler and cycle, 4
   schedulers per SM, the device's boost clock. The split and the head groups are the ones
   the dispatch picks for that device (dispatch/splits.py, dispatch/variants.py).
+- tensor_us: the main loops' MMAs at SM120's tensor rates. Per SM (CTAs per SM) x (chunks
+  per CTA) x the FLOPs of one chunk's MMAs (counted in the same SASS, each opcode's m n k:
+  HMMA.16816 2 x 16 x 8 x 16, QMMA.16832 twice that), each kind at its rate per SM and cycle:
+  TENSOR_FLOP_PER_SM_CYCLE, from the RTX 5090 rates the issue quotes (measured by the QuACK
+  project: bf16 ~255, fp8 ~507, block-scaled fp8 ~1000 TFLOP/s dense) over its 170 SMs at
+  its 2.407 GHz boost clock. Where the RTX PRO 6000 accumulates 16-bit MMAs in f32 at twice
+  the GeForce rate (NVIDIA's professional parts have), the 16-bit term halves.
 - memory_us: the bytes gathered (584 per selected entry; once per token: the head blocks
   of a token, which read the same rows, are adjacent in the grid and run together, so all
   but the first read them from L2) at the device's peak memory bandwidth: a lower bound
@@ -22,7 +29,7 @@ measurement. The model, per shape of scripts/bench.py's grid:
 
 Each compute path gets its own estimate (its own main-loop count: bf16, f16, fp8, and mxf8,
 the block-scaled form only SM120 has); the model charges every instruction the same issue
-slot, so it says nothing about the MMA rates themselves.
+slot; the tensor term is what the MMA rates add.
 
 With ``--h200-json`` (a scripts/bench.py --json file) the same model is also evaluated for
 the H200, for the precision that file timed first (the default path unless it says), and
@@ -40,6 +47,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -57,6 +65,9 @@ from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E
 ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
 FIXED_US = 11.4  # the fastest call of the H200 bench at 08710b7 (1 x 16 x 128)
 SCHEDULERS_PER_SM = 4
+# dense MMA FLOPs per SM and cycle on SM120 by kind: RTX 5090 (QuACK) TFLOP/s / (170 SMs x 2.407 GHz)
+TENSOR_FLOP_PER_SM_CYCLE = {kind: tflops * 1e12 / (170 * 2.407e9)
+                            for kind, tflops in (("16-bit", 255.0), ("fp8", 507.0), ("mxf8", 1000.0))}
 BLOCK_N = PartialConfig.block_n
 
 
@@ -67,20 +78,41 @@ class Device:
     clock_ghz: float  # boost clock
     memory_gbs: float
     smem_per_sm: int
+    tensor_flop_per_sm_cycle: dict | None  # None: no tensor term (the H200 check: its rates differ)
 
 
 # published specifications (boost clock, memory bandwidth); shared memory per SM as the
 # CUDA runtime reports it for the architecture
-RTX_PRO_6000 = Device("RTX PRO 6000 Blackwell (sm_120)", 188, 2.617, 1792.0, SM120_SMEM_PER_SM)
-H200 = Device("H200 (model check)", 132, 1.98, 4800.0, H200_SMEM_PER_SM)
+RTX_PRO_6000 = Device("RTX PRO 6000 Blackwell (sm_120)", 188, 2.617, 1792.0, SM120_SMEM_PER_SM,
+                      TENSOR_FLOP_PER_SM_CYCLE)
+# the model's check against the H200's measurements: issue and memory only (ISSUE_RATE was
+# measured there, and there the e4m3 MMAs are emulated by f16 ones)
+H200 = Device("H200 (model check)", 132, 1.98, 4800.0, H200_SMEM_PER_SM, None)
 
 
-def loop_instructions(precision: str) -> dict:
-    """Main-loop warp-instructions per chunk of one CTA of the shipped partial kernel
-    (sm_120a) of ``precision``, for one and two head groups, counted in the SASS (compiles
-    two variants): the loop's instructions times the warps that run it, summed over the
-    kernel's main loops (the "f16" kernel has one per warp role: 7 nope warps, 1 rope warp),
-    each without its nested rescale loop (a chunk runs it only when a softmax max moved)."""
+def mma_kind_flops(opcode: str) -> tuple[str, int]:
+    """(rate kind, FLOPs) of one SM120 MMA instruction of the SASS, e.g. ``HMMA.16816.F32``
+    -> ("16-bit", 4096), ``QMMA.SF.16832.F32.E4M3.E4M3.E8`` -> ("mxf8", 8192)."""
+    shape = re.search(r"\.(16)(8)(16|32)\b", opcode)
+    if shape is None:
+        raise ValueError(f"unknown MMA shape in {opcode!r}")
+    flops = 2 * int(shape.group(1)) * int(shape.group(2)) * int(shape.group(3))
+    if opcode.startswith("QMMA.SF"):
+        return "mxf8", flops
+    if opcode.startswith("QMMA"):
+        return "fp8", flops
+    if opcode.startswith("HMMA"):
+        return "16-bit", flops
+    raise ValueError(f"no SM120 rate for {opcode!r}")
+
+
+def loop_work(precision: str) -> dict:
+    """Per head groups (1, 2): (main-loop warp-instructions per chunk of one CTA, that
+    chunk's MMA FLOPs by rate kind) of the shipped partial kernel (sm_120a) of
+    ``precision``, counted in the SASS (compiles two variants): each loop's instructions
+    times the warps that run it, summed over the kernel's main loops (the "f16" kernel has
+    one per warp role: 7 nope warps, 1 rope warp), each without its nested loops (the
+    rescale and the exact softmax step, which a chunk runs only when a softmax max moved)."""
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_forecast_"))
     from cute_kernels.sass_check import disassemble, mma_loops
     from dispatch.loader import compile_variant
@@ -94,34 +126,43 @@ def loop_instructions(precision: str) -> dict:
         if precision == "f16":  # the nope loop runs f16 MMAs, the rope loop bf16 ones
             (nope,) = [lp for lp in loops if "HMMA.16816.F32" in lp.mma_kinds]
             (rope,) = [lp for lp in loops if "HMMA.16816.F32.BF16" in lp.mma_kinds]
-            out[groups] = (cfg.num_warps - 1) * (nope.instructions - nope.nested) + rope.instructions - rope.nested
+            runs = [(nope, cfg.num_warps - 1), (rope, 1)]
         else:
             (loop,) = loops
-            out[groups] = cfg.num_warps * (loop.instructions - loop.nested)
+            runs = [(loop, cfg.num_warps)]
+        flops = {}
+        for lp, warps in runs:
+            for opcode, count in lp.mma_kinds.items():
+                kind, f = mma_kind_flops(opcode)
+                flops[kind] = flops.get(kind, 0) + warps * count * f
+        out[groups] = (sum(warps * (lp.instructions - lp.nested) for lp, warps in runs), flops)
     return out
 
 
-def model_us(T: int, H: int, shape: str, dev: Device, instrs: dict,
-             precision: str = "bf16") -> tuple[float, float, float]:
-    """(estimate, issue_us, memory_us) for one shape on ``dev``; ``instrs`` from
-    ``loop_instructions(precision)``."""
+def model_us(T: int, H: int, shape: str, dev: Device, work: dict,
+             precision: str = "bf16") -> tuple[float, float, float, float]:
+    """(estimate, issue_us, tensor_us, memory_us) for one shape on ``dev``; ``work`` from
+    ``loop_work(precision)``."""
     topk, extra = list_lengths(shape)
     cfg = partial_shape_config(H, T, dev.num_sms, precision, entries=topk + extra, smem_per_sm=dev.smem_per_sm)
     split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
     ctas = ctas_per_split(T, H, cfg) * split.num_splits
-    ctas_per_sm = math.ceil(ctas / dev.num_sms)
-    warp_instructions = ctas_per_sm * split.chunks_per_split * instrs[cfg.head_groups]
-    issue_us = warp_instructions / (SCHEDULERS_PER_SM * ISSUE_RATE * dev.clock_ghz * 1e3)
+    chunks_per_sm = math.ceil(ctas / dev.num_sms) * split.chunks_per_split
+    instructions, flops = work[cfg.head_groups]
+    issue_us = chunks_per_sm * instructions / (SCHEDULERS_PER_SM * ISSUE_RATE * dev.clock_ghz * 1e3)
+    rates = dev.tensor_flop_per_sm_cycle
+    tensor_cycles = sum(f / rates[kind] for kind, f in flops.items()) if rates else 0.0
+    tensor_us = chunks_per_sm * tensor_cycles / (dev.clock_ghz * 1e3)
     gathered = T * (topk + extra) * TOKEN_BYTES  # once from DRAM: a token's head blocks run together (L2)
     memory_us = gathered / (dev.memory_gbs * 1e3)
-    return FIXED_US + max(issue_us, memory_us), issue_us, memory_us
+    return FIXED_US + max(issue_us, tensor_us, memory_us), issue_us, tensor_us, memory_us
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--h200-json", help="a scripts/bench.py --json file: check the model against it")
     args = ap.parse_args(argv)
-    instrs = {p: loop_instructions(p) for p in PRECISIONS}
+    work = {p: loop_work(p) for p in PRECISIONS}
     measured, h200_precision = {}, DEFAULT_PRECISION
     if args.h200_json:
         rows = json.loads(Path(args.h200_json).read_text())["rows"]
@@ -129,23 +170,30 @@ def main(argv=None) -> int:
             measured[(row["T"], row["H"], row["topk"])] = row["us"]
         if rows and rows[0].get("precision") not in (None, "default"):
             h200_precision = rows[0]["precision"]
+    rates = ", ".join(f"{k} {v:.0f}" for k, v in TENSOR_FLOP_PER_SM_CYCLE.items())
     print(f"ESTIMATE, not a measurement: {RTX_PRO_6000.name}, {RTX_PRO_6000.num_sms} SMs, "
           f"{RTX_PRO_6000.clock_ghz} GHz, {RTX_PRO_6000.memory_gbs:.0f} GB/s; main loop warp-instructions "
           f"per chunk and CTA (16 / 32 heads per CTA, sm_120a SASS): "
-          + ", ".join(f"{p} {instrs[p][1]} / {instrs[p][2]}" for p in PRECISIONS)
-          + f"; issue rate {ISSUE_RATE}, fixed {FIXED_US} us (H200 measurements)")
-    head = (f"{'T':>4} {'H':>4} {'topk':>8}" + "".join(f" {'est. us ' + p:>12}" for p in PRECISIONS)
+          + ", ".join(f"{p} {work[p][1][0]} / {work[p][2][0]}" for p in PRECISIONS)
+          + f"; issue rate {ISSUE_RATE}, fixed {FIXED_US} us (H200 measurements); MMA FLOP per SM and cycle: {rates}")
+    print("each estimate is followed by its bound: i issue, t tensor, m memory")
+    head = (f"{'T':>4} {'H':>4} {'topk':>8}" + "".join(f" {'est. us ' + p:>14}" for p in PRECISIONS)
             + f" {'memory us':>10}")
     if measured:
         head += f" {'H200 model':>11} {'H200 measured':>14} {'model/meas.':>12}"
     print(head)
     errors = []
     for T, H, shape in GRID:
-        ests = {p: model_us(T, H, shape, RTX_PRO_6000, instrs[p], p) for p in PRECISIONS}
-        mem = ests[DEFAULT_PRECISION][2]
-        line = f"{T:>4} {H:>4} {shape:>8}" + "".join(f" {ests[p][0]:>12.1f}" for p in PRECISIONS) + f" {mem:>10.2f}"
+        ests = {p: model_us(T, H, shape, RTX_PRO_6000, work[p], p) for p in PRECISIONS}
+        mem = ests[DEFAULT_PRECISION][3]
+        line = f"{T:>4} {H:>4} {shape:>8}"
+        for p in PRECISIONS:
+            est, issue, tensor, memory = ests[p]
+            bound = "itm"[max(range(3), key=lambda k: (issue, tensor, memory)[k])]
+            line += f" {est:>12.1f} {bound}"
+        line += f" {mem:>10.2f}"
         if (T, H, shape) in measured:
-            h200 = model_us(T, H, shape, H200, instrs[h200_precision], h200_precision)[0]
+            h200 = model_us(T, H, shape, H200, work[h200_precision], h200_precision)[0]
             ratio = h200 / measured[(T, H, shape)]
             errors.append(abs(math.log(ratio)))
             line += f" {h200:>11.1f} {measured[(T, H, shape)]:>14.1f} {ratio:>12.2f}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cute_kernels.sass_check import mma_loop_mix, mma_loops
+from cute_kernels.sass_check import CHAIN_WINDOW, mma_loop_mix, mma_loops
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -105,3 +105,16 @@ def test_chained_mma_counts_each_mma_fed_by_the_one_just_before():
     # F2FP between), 0x70 (predicated) takes 0x60's R24; 0x30 and 0x60 read other registers
     (loop,) = mma_loops(CHAINS)
     assert (loop.mma, loop.chained_mma) == (6, 3)
+
+
+def test_chained_mma_ignores_an_mma_a_latency_or_more_after_the_one_it_reads():
+    # the second MMA reads the first's R20: chained at CHAIN_WINDOW - 1 instructions after it
+    # (CHAIN_WINDOW - 2 between), not at CHAIN_WINDOW (the first one's result is ready)
+    def loop(between: int) -> str:
+        lines = ["        /*0000*/                   HMMA.16816.F32 R20, R32, R20, RZ ;"]
+        lines += [f"        /*{16 * (k + 1):04x}*/                   FADD R{k % 8}, R1, R2 ;" for k in range(between)]
+        lines += [f"        /*{16 * (between + 1):04x}*/                   HMMA.16816.F32 R20, R36, R16, R20 ;",
+                  f"        /*{16 * (between + 2):04x}*/              @P0 BRA `(.L_x_0) ;"]
+        return ".L_x_0:\n" + "\n".join(lines) + "\n"
+    assert mma_loops(loop(CHAIN_WINDOW - 2))[0].chained_mma == 1
+    assert mma_loops(loop(CHAIN_WINDOW - 1))[0].chained_mma == 0

@@ -26,11 +26,13 @@ Per chunk of 32 entries:
    writes its partial S [heads, 32] (f32) to shared memory.
 2. Softmax, all 256 threads: thread t sums the 8 partials of 2 or 4 consecutive entries of
    one head (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)), masks invalid
-   entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (shuffle
-   max; the row sum stays per thread until the end). A head's reference max moves only when
-   the chunk's max exceeds it by more than ``RESCALE_LOG2`` (so P <= 2**8). It writes P in
-   f16 and in bf16 and the head's rescale factor to shared memory; the barrier after it
-   (``barrier.red.or``) tells every thread whether any head's max moved.
+   entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (the
+   row sum stays per thread until the end). A head's reference max moves only when the
+   chunk's max exceeds it by more than ``RESCALE_LOG2`` (so P <= 2**8). After the first
+   chunk each thread writes P (f16 and bf16) against the old max and only tests its own
+   entries against it; the barrier after it (``barrier.red.or``) tells every thread whether
+   any head's max moved, and only then (rarely; always in the first chunk) the exact step
+   runs: the head's max by shuffles, P and the rescale factor again, one more barrier.
 3. PV, warp w < 7: P' = P * 2**(b - R_w) (f16, ``mul.rn.f16x2`` on the ``ldmatrix``-loaded
    P fragments), R_w the running maximum of tile w's scale byte over the valid entries of
    the split so far, so P' <= 1; the value fragments are the raw rows by
@@ -45,8 +47,8 @@ copies' src-size 0): the first ``EARLY_ROW_GROUPS`` of its 4 groups of 8 rows af
 chunk-head barrier, the rest after the softmax, to even out its phases against the nope
 warps'. The first two chunks' rows, on every call's critical path, are copied by all 256
 threads (``_issue_rows``; each waits for its own copies before the barrier that publishes them).
-Invalid entries have zero rows and probability 0. Three CTA barriers per chunk: the stage
-landed (and the previous PV is done), the partial S written, P written.
+Invalid entries have zero rows and probability 0. Three CTA barriers per chunk (four when a
+max moved): the stage landed (and the previous PV is done), the partial S written, P written.
 
 Precision: K, V and the scales are exact (every e4m3 value is an f16 value; the scales are
 applied in f32 to S and as powers of two to P); Q is exact unless a component is below
@@ -183,7 +185,7 @@ from .layout import D_NOPE, D_QK, NUM_TILES, ROW_BYTES, SCALE_BYTES
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
     e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_bf16x2, pack_f16x2,
-    sync_threads_or, ue8m0_scale, warp_max_u32,
+    pow2_f32, pow2_f32_bits, sync_threads_or, ue8m0_scale, warp_max_u32,
 )
 
 UNIT = 64  # columns per warp: one nope scale tile, or the rope dims
@@ -226,16 +228,6 @@ def _tree_sum(values: list):
     while len(values) > 1:
         values = [values[k] + values[k + 1] for k in range(0, len(values) - 1, 2)] + values[len(values) - len(values) % 2:]
     return values[0]
-
-
-def _pow2_f32_bits(e_bits: Int32) -> Float32:
-    """2**e from ``e_bits`` = (e + 127) << 23 (an f32's bits), 0 where that is <= 0 (e <= -127)."""
-    return f32_from_bits(cutlass.max(e_bits, Int32(0)))
-
-
-def _pow2_f32(e: Int32) -> Float32:
-    """2**e as f32 for e <= 127 (0 below 2**-126: only ever used where that is negligible)."""
-    return _pow2_f32_bits((e + 127) << 23)
 
 
 class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
@@ -453,7 +445,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         qf = cute.make_rmem_tensor(mt * 16, Int32)
         for m in cutlass.range_constexpr(mt):
             for r in cutlass.range_constexpr(2):
-                qscale = _pow2_f32(Q_F16_EXP - self._head_exponent(sAmax, 16 * m + g + 8 * r))
+                qscale = pow2_f32(Q_F16_EXP - self._head_exponent(sAmax, 16 * m + g + 8 * r))
                 for i in cutlass.range_constexpr(4):
                     for pair in cutlass.range_constexpr(2):
                         qbits = qraw[((m * 4 + i) * 2 + r) * 2 + pair]
@@ -508,14 +500,14 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                         self._store_s_part(bases, w, m, nb, lane, [d[nb][0] * kf[0], d[nb][1] * kf[1],
                                                                    d[nb][2] * kf[0], d[nb][3] * kf[1]])
             cute.arch.sync_threads()
-            moved = sync_threads_or(self._softmax_step(sm, bases, valid_rows, tidx))
+            moved = self._softmax_step(sm, bases, valid_rows, tidx, step)
 
             # O_w = O_w * correction * 2**(R_old - R_new) + P' V_w
             # P' scale pairs: k16 step s, entries 16 s + 2 q + {0, 1} (n tile 2 s) and
             # 16 s + 8 + 2 q + {0, 1} (n tile 2 s + 1)
             # 2**(b - R_w) as (b << 23) + ((127 - R_w) << 23): one multiply-add and a max per byte
             r_bits = (127 - r_new) << 23
-            pfac = [pack_f16x2(*[_pow2_f32_bits(sbytes[2 * nt + i] * (1 << 23) + r_bits) for i in range(2)])
+            pfac = [pack_f16x2(*[pow2_f32_bits(sbytes[2 * nt + i] * (1 << 23) + r_bits) for i in range(2)])
                     for nt in range(4)]
             pa = []
             for m in cutlass.range_constexpr(mt):
@@ -527,8 +519,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             # in a loop of 0 or 1 pass: ptxas predicated an `if` around it (both paths issued).
             # (Measured, H200: giving each path its own copy of the MMAs, which saves the ~60
             # register moves ptxas puts where the paths meet with 32 heads, was 3-5% slower.)
+            # (none after the first chunk: the accumulators are still 0)
             for _ in cutlass.range(moved | Int32(r_new != r_old), unroll=1):
-                self._rescale(acc_O, corr_base, _pow2_f32(r_old - r_new), g)
+                self._rescale(acc_O, corr_base, pow2_f32(r_old - r_new), g)
             self._nope_pv(acc_O, pa, stage_base + v_row)
             cute.arch.cp_async_wait_group(0)
 
@@ -619,7 +612,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
                     for nb in tiles:
                         self._store_s_part(bases, ROPE_WARP, m, nb, lane, d[nb])
             cute.arch.sync_threads()
-            moved = sync_threads_or(self._softmax_step(sm, bases, valid_rows, tidx))
+            moved = self._softmax_step(sm, bases, valid_rows, tidx, step)
             # the rest of the next chunk's gather here: the rope warp's shortest phase
             if const_expr(self.early_row_groups == 0):
                 located = self._start_next_chunk(ctx, c, c_end, step, lane)
@@ -697,63 +690,97 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         run[0] = -Float32.inf
         run[1] = Float32(0.0)
         return SimpleNamespace(hrow=hrow, j0=(tidx % tpr) * ept, run=run,
-                               nope_fac=_pow2_f32(e - Q_F16_EXP) * sm_scale_log2, rope_fac=sm_scale_log2)
+                               nope_fac=pow2_f32(e - Q_F16_EXP) * sm_scale_log2, rope_fac=sm_scale_log2)
 
     @cute.jit
-    def _softmax_step(self, sm, bases, valid_rows, tidx):
+    def _softmax_step(self, sm, bases, valid_rows, tidx, step):
         """Scores of this thread's entries from the 8 partials, the online softmax over its
-        head row, P (f16 and bf16) and the row's rescale factor into shared memory; returns 1
-        when the row's reference max moved (``RESCALE_LOG2``), else 0."""
+        head row, P (f16 and bf16) and the row's rescale factor into shared memory, visible to
+        the CTA on return; returns 1 (every thread) when some head's reference max moved
+        (``RESCALE_LOG2``), else 0.
+
+        After the first chunk a head's max rarely moves, so P is first computed against the
+        old max without the row's max: each thread only tests its own entries against
+        ``m_old + RESCALE_LOG2`` and the P barrier ORs the tests (``sync_threads_or``). Only
+        when one is set (CTA-uniform) does the exact step below run (the row max by shuffles,
+        P again, a second barrier); every value it leaves is the one the step without the
+        test computes. The first chunk goes to it directly (every max moves there)."""
         ept, tpr = self._softmax_geometry()
         hrow, j0, run = sm.hrow, sm.j0, sm.run
+        s_base, p16_base, pbf_base, corr_addr = bases.s, bases.p16, bases.pbf, bases.corr + hrow * 4
         parts = []  # the 7 nope partials then the rope one, each [ept]
         for w in cutlass.range_constexpr(F16_WARPS):
             v = cute.make_rmem_tensor(ept, Float32)
-            cute.autovec_copy(_smem_vec(Float32, bases.s + ((w * self.hb + hrow) * F16_S_ROW + j0) * 4, ept), v)
+            cute.autovec_copy(_smem_vec(Float32, s_base + ((w * self.hb + hrow) * F16_S_ROW + j0) * 4, ept), v)
             parts.append(v.load())
         part = cute.make_rmem_tensor(ept, Float32)
         part.store(parts.pop())
-        acc = cute.make_rmem_tensor(ept, Float32)
+        acc = cute.make_rmem_tensor(ept, Float32)  # the scores (log2 units), -inf where invalid
         acc.store(_tree_sum(parts))  # 3 dependent adds, not 6
-        m_chunk = -Float32.inf
         for e in cutlass.range_constexpr(ept):
             s = acc[e] * sm.nope_fac + part[e] * sm.rope_fac
             if (valid_rows >> (j0 + e)) & 1 == 0:
                 s = -Float32.inf
             acc[e] = s
-            m_chunk = cute.arch.fmax(m_chunk, s)
-        off = tpr // 2
-        while off >= 1:
-            m_chunk = cute.arch.fmax(m_chunk, cute.arch.shuffle_sync_bfly(m_chunk, offset=off, mask=-1,
-                                                                           mask_and_clamp=31))
-            off //= 2
+        p = cute.make_rmem_tensor(ept, Float32)
+        p_offset = hrow * F16_P_ROW_BYTES + j0 * 2
         m_old = run[0]
-        m_new = m_old
-        if m_chunk > m_old + RESCALE_LOG2:
-            m_new = m_chunk
-        m_base = m_new
-        if m_new == -Float32.inf:
-            m_base = Float32(0.0)
-        corr = cute.math.exp2(m_old - m_base, fastmath=True)
-        psum = Float32(0.0)
-        for e in cutlass.range_constexpr(ept):
-            p = cute.math.exp2(acc[e] - m_base, fastmath=True)
-            acc[e] = p
-            psum = psum + p
-        run[1] = run[1] * corr + psum
-        run[0] = m_new
+        moved = Int32(1)
+        if step != 0:
+            m_base = m_old
+            if m_old == -Float32.inf:
+                m_base = Float32(0.0)
+            exceeds = Int32(0)
+            psum = Float32(0.0)
+            for e in cutlass.range_constexpr(ept):
+                exceeds = exceeds | Int32(acc[e] > m_old + RESCALE_LOG2)
+                p[e] = cute.math.exp2(acc[e] - m_base, fastmath=True)
+                psum = psum + p[e]
+            self._store_p(p, p16_base, pbf_base, p_offset)
+            if tidx % tpr == 0:
+                _smem_scalar(Float32, corr_addr)[0] = Float32(1.0)
+            moved = cute.arch.make_warp_uniform(sync_threads_or(exceeds))
+            if moved == 0:
+                run[1] = run[1] + psum
+        if moved != 0:
+            m_chunk = -Float32.inf
+            for e in cutlass.range_constexpr(ept):
+                m_chunk = cute.arch.fmax(m_chunk, acc[e])
+            off = tpr // 2
+            while off >= 1:
+                m_chunk = cute.arch.fmax(m_chunk, cute.arch.shuffle_sync_bfly(m_chunk, offset=off, mask=-1,
+                                                                               mask_and_clamp=31))
+                off //= 2
+            m_new = m_old
+            if m_chunk > m_old + RESCALE_LOG2:
+                m_new = m_chunk
+            m_base = m_new
+            if m_new == -Float32.inf:
+                m_base = Float32(0.0)
+            corr = cute.math.exp2(m_old - m_base, fastmath=True)
+            psum = Float32(0.0)
+            for e in cutlass.range_constexpr(ept):
+                p[e] = cute.math.exp2(acc[e] - m_base, fastmath=True)
+                psum = psum + p[e]
+            run[1] = run[1] * corr + psum
+            run[0] = m_new
+            self._store_p(p, p16_base, pbf_base, p_offset)
+            if tidx % tpr == 0:
+                _smem_scalar(Float32, corr_addr)[0] = corr
+            cute.arch.sync_threads()
+        return moved
+
+    @cute.jit
+    def _store_p(self, p, p16_base, pbf_base, offset):
+        """This thread's P values into the f16 and the bf16 P rows (``offset`` bytes in)."""
+        ept, _ = self._softmax_geometry()
         words16 = cute.make_rmem_tensor(ept // 2, Int32)
         words_bf = cute.make_rmem_tensor(ept // 2, Int32)
         for k in cutlass.range_constexpr(ept // 2):
-            words16[k] = pack_f16x2(acc[2 * k], acc[2 * k + 1])
-            words_bf[k] = pack_bf16x2(acc[2 * k], acc[2 * k + 1])
-        offset = hrow * F16_P_ROW_BYTES + j0 * 2
-        cute.autovec_copy(words16, _smem_vec(Int32, bases.p16 + offset, ept // 2))
-        cute.autovec_copy(words_bf, _smem_vec(Int32, bases.pbf + offset, ept // 2))
-        corr_addr = bases.corr + hrow * 4
-        if tidx % tpr == 0:
-            _smem_scalar(Float32, corr_addr)[0] = corr
-        return Int32(m_new != m_old)
+            words16[k] = pack_f16x2(p[2 * k], p[2 * k + 1])
+            words_bf[k] = pack_bf16x2(p[2 * k], p[2 * k + 1])
+        cute.autovec_copy(words16, _smem_vec(Int32, p16_base + offset, ept // 2))
+        cute.autovec_copy(words_bf, _smem_vec(Int32, pbf_base + offset, ept // 2))
 
     @cute.jit
     def _finish_softmax(self, sm, bases, tidx, token, split, head0, num_heads, num_splits, lse_part, lse,

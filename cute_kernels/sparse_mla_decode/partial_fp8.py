@@ -71,7 +71,7 @@ from .device_utils import smem_vec as _smem_vec, store_f32
 from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BIAS
 from .partial import SparseMlaPartialKernel
 from .warp_ops import (
-    byte_perm, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_e4m3, mma_mxf8, pack_bf16x2, pack_e4m3x4,
+    byte_perm, f32_bits, ldsm_x4, mma_bf16, mma_e4m3, mma_mxf8, pack_bf16x2, pack_e4m3x4, pow2_f32,
     quantize_two_terms, ue8m0_scale, warp_max_u32,
 )
 
@@ -210,8 +210,8 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
         # warp-dependent branches of this size into every warp's instruction stream.
         rows = [group * hg + g, group * hg + g + 8]  # CTA-local heads of this thread's rows
         row_exp = [sQexp[rows[0]], sQexp[rows[1]]]
-        inv_sq = [f32_from_bits((127 - row_exp[i]) << 23) for i in range(2)]
-        row_scale = [sm_scale_log2 * f32_from_bits((127 + row_exp[i]) << 23) for i in range(2)]
+        inv_sq = [pow2_f32(-row_exp[i]) for i in range(2)]
+        row_scale = [sm_scale_log2 * pow2_f32(row_exp[i]) for i in range(2)]
         rQ = cute.make_rmem_tensor(Q_REGS, Int32)
         self._load_q_unit(sQ, rQ, 0, wq * UNIT, rows, inv_sq, qd)
         self._load_q_unit(sQ, rQ, 1, tile1 * UNIT, rows, [inv_sq[0] * keep1, inv_sq[1] * keep1], qd)
@@ -268,7 +268,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
             ratio = [Float32(1.0), Float32(1.0)]
             for u in cutlass.range_constexpr(2):
                 r_new = cutlass.max(r_byte[u], warp_max_u32((mine >> (8 * u)) & 0xFF))
-                ratio[u] = f32_from_bits(cutlass.max(r_byte[u] - r_new + 127, 0) << 23)
+                ratio[u] = pow2_f32(r_byte[u] - r_new)
                 r_byte[u] = r_new
 
             # S_w = Q_w K_w^T over this warp's columns (two nope tiles, 16 rope dims)
@@ -439,8 +439,7 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
     def _pv_nope(self, acc_O, acc_S, sbytes, r_byte, u: int, unit_base, lane):
         """acc_O[unit u] += P' V8 for a nope unit: P' = P * 2**(b - R + 8) in e4m3.
         Accumulator index 32 u + 8 blk + 4 parity + c: 16-column block blk, even/odd columns."""
-        fac = [f32_from_bits(cutlass.max(((sbytes[k] >> (8 * u)) & 0xFF) - r_byte[u] + 127 + P_HEADROOM_LOG2, 0) << 23)
-               for k in range(8)]
+        fac = [pow2_f32(((sbytes[k] >> (8 * u)) & 0xFF) - r_byte[u] + P_HEADROOM_LOG2) for k in range(8)]
         pq = [acc_S[4 * j + c] * fac[2 * j + c % 2] for j in range(4) for c in range(4)]
         a = [
             pack_e4m3x4(pq[0], pq[1], pq[4], pq[5]),  # row g: entries 2q, 2q+1, 8+2q, 9+2q

@@ -143,6 +143,17 @@ def f32_from_bits(bits: Int32) -> Float32:
     return Float32(llvm.bitcast(Float32.mlir_type, Int32(bits).ir_value()))
 
 
+def pow2_f32_bits(e_bits: Int32) -> Float32:
+    """2**e from ``e_bits`` = (e + 127) << 23 (an f32's bits), 0 where that is <= 0 (e <= -127)."""
+    return f32_from_bits(cutlass.max(e_bits, Int32(0)))
+
+
+def pow2_f32(e: Int32) -> Float32:
+    """2**e as f32 for e <= 127, exactly for e >= -126; 0 for e <= -127 (so only where a
+    factor that small is negligible)."""
+    return pow2_f32_bits((e + 127) << 23)
+
+
 def ue8m0_scale(b: Int32) -> Float32:
     """The UE8M0 scale 2**(b - 127) of scale byte ``b`` (0..254), exactly: the bits b << 23 for
     b >= 1, and for b = 0 the subnormal 2**-127 (bits 1 << 22, below every b >= 1: one integer
