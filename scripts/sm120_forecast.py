@@ -63,7 +63,7 @@ from scripts.bench import GRID, list_lengths  # noqa: E402
 from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E402
 
 ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
-FIXED_US = 11.4  # the fastest call of the H200 bench at 08710b7 (1 x 16 x 128)
+FIXED_US = 9.8  # the fastest call of the H200 bench at e5f9d9c (1 x 16 x 128)
 SCHEDULERS_PER_SM = 4
 # dense MMA FLOPs per SM and cycle on SM120 by kind: RTX 5090 (QuACK) TFLOP/s / (170 SMs x 2.407 GHz)
 TENSOR_FLOP_PER_SM_CYCLE = {kind: tflops * 1e12 / (170 * 2.407e9)
@@ -112,7 +112,9 @@ def loop_work(precision: str) -> dict:
     ``precision``, counted in the SASS (compiles two variants): each loop's instructions
     times the warps that run it, summed over the kernel's main loops (the "f16" kernel has
     one per warp role: 7 nope warps, 1 rope warp), each without its nested loops (the
-    rescale and the exact softmax step, which a chunk runs only when a softmax max moved)."""
+    rescale, which a chunk runs only when a softmax max moved). The "f16" kernel's exact
+    softmax step, which also runs only then, is an ``if`` inside the loop and is counted:
+    about 40 of each warp's instructions, an overestimate of about 6%."""
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_forecast_"))
     from cute_kernels.sass_check import disassemble, mma_loops
     from dispatch.loader import compile_variant

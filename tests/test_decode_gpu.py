@@ -51,6 +51,7 @@ class Case:
     sm_scale: float | None = None
     spread: int = 0  # tokens' magnitudes differ by up to 2**(2 * spread) (their scale bytes by 2 * spread)
     tiny: bool = False  # scale bytes 0..2 and rope 0 in every cache (``make_cache``), q times 2**118
+    invalid_prefix: int = 0  # the first this many entries of every token are -1
 
     def __str__(self):
         fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
@@ -96,6 +97,10 @@ CASES = [
     # scale byte 0 is 2**-127, not 0: keys and values in the bottom binades of UE8M0, q near
     # the top of bf16's range so that the scores are O(1) and every byte counts in them
     Case(T=4, H=16, topk=192, extra_topk=64, tiny=True),
+    # a CTA's first chunk selects nothing (the softmax's reference max is still -inf in the
+    # second, whose valid entries must take the exact step) and the spread moves the max in
+    # later chunks: two splits of 8 chunks per token
+    Case(T=64, H=32, topk=512, invalid_prefix=40, spread=8),
 ]
 
 
@@ -138,6 +143,7 @@ def build_inputs(case: Case, device):
         idx = idx[:, :1].expand(-1, case.topk).contiguous()
     if case.empty_tokens:
         idx[::3] = -1
+    idx[:, :case.invalid_prefix] = -1
     kw = dict(
         topk_length=_lengths(case.lengths, case.T, case.topk, gen, device),
         attn_sink=_sink(case.sink, case.H, gen, device),

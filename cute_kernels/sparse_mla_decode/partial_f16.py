@@ -150,13 +150,25 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   groups 9 warps put 3 on one scheduler, whose 16K registers cap each thread at 168 (the
   32-head kernel needs 202: it spilled). Four QK n tiles at once without the bound: PV 136 ->
   149 instructions (SASS only).
-- Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, without the rescale
-  pass, held to 128 registers: nope warps 332 instructions (QK phase 123, softmax 59, PV 148),
-  rope warp 375 (166 / 65 / 128, and 16 at the loop head); without the bound (136 registers,
-  sm_120's kernel): 319 (122 / 59 / 136) and 348 (16 + 159 / 55 / 118); about 2700 warp-instructions per chunk against 4194 before
-  session 6 (bf16 kernel: 4690). The nope warps' 32 HMMA are 9% of their instructions: the loop is latency-bound (ncu
-  at 64 x 128 x 1024 before session 6: 5.8 cycles between a warp's issues, 45% of them
-  fixed-latency dependency waits, 2 warps per scheduler).
+- Session 11 (the same day, one lease, two rounds): the softmax after the first chunk against
+  the old reference max (each thread tests its own entries; the P barrier ORs the tests; the
+  exact step, with the row max by shuffles, P again and one more barrier, only when a test is
+  set, and always in the first chunk): every value the same as before; 0.990x geomean over
+  the 36 shapes, 64 tokens x 64 / 128 heads 2.0-2.8% faster (64 x 128 x 1024 108.4 -> 106.2
+  us), T=1 x 64 / 128 heads 1.6-2.5% (1 x 128 x 1024 12.80 -> 12.51). Not kept (SASS): the
+  exact step as a 0-or-1-pass loop (154 registers, 77 register moves in the rope warp's
+  loop), its condition by ``vote.sync.any`` (68+ moves per loop), none of the two (ptxas's
+  divergent-warp fallback for the shuffles), and skipping the first chunk's rescale (69
+  moves where the rescale loop joins).
+- Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
+  rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
+  to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (134
+  registers, sm_120's kernel): 309 and 340 (the QK phases 123 and 16 + 160, the softmax 47
+  each); 32 heads (202 registers): 459 and 456. 2503 warp-instructions per chunk (2600 at
+  the bound) against 4194 before session 6 (bf16 kernel: 4690). The nope warps' 32 HMMA are 10% of
+  their instructions: the loop is latency-bound (ncu at 64 x 128 x 1024 before session 6:
+  5.8 cycles between a warp's issues, 45% of them fixed-latency dependency waits, 2 warps
+  per scheduler).
 - A single CTA alone on an SM takes about 1.4 us per chunk (``scripts/split_sweep.py``, one
   split of 1 x 64 x 1024): the floor of the small calls, with the two kernel launches. At
   T=1 the fixed part dominates (session 7): a CUDA graph of one trivial kernel measures 4.6
