@@ -165,10 +165,10 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (134
   registers, sm_120's kernel): 309 and 340 (the QK phases 123 and 16 + 160, the softmax 47
   each); 32 heads (202 registers): 459 and 456. 2503 warp-instructions per chunk (2600 at
-  the bound) against 4194 before session 6 (bf16 kernel: 4690). The nope warps' 32 HMMA are 10% of
-  their instructions: the loop is latency-bound (ncu at 64 x 128 x 1024 before session 6:
-  5.8 cycles between a warp's issues, 45% of them fixed-latency dependency waits, 2 warps
-  per scheduler).
+  the bound) against 4194 before session 6 (bf16 kernel: 4690). The nope warps' 32 HMMA are
+  10% of their instructions: the loop is latency-bound (ncu at 64 x 128 x 1024, session 11:
+  issue slots 45% busy, 8.4 cycles between a warp's issues with 3.8 warps per scheduler, of
+  them fixed-latency waits 1.9, the barriers 1.6, shared memory / shuffles 1.4).
 - A single CTA alone on an SM takes about 1.4 us per chunk (``scripts/split_sweep.py``, one
   split of 1 x 64 x 1024): the floor of the small calls, with the two kernel launches. At
   T=1 the fixed part dominates (session 7): a CUDA graph of one trivial kernel measures 4.6
@@ -531,7 +531,6 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             # in a loop of 0 or 1 pass: ptxas predicated an `if` around it (both paths issued).
             # (Measured, H200: giving each path its own copy of the MMAs, which saves the ~60
             # register moves ptxas puts where the paths meet with 32 heads, was 3-5% slower.)
-            # (none after the first chunk: the accumulators are still 0)
             for _ in cutlass.range(moved | Int32(r_new != r_old), unroll=1):
                 self._rescale(acc_O, corr_base, pow2_f32(r_old - r_new), g)
             self._nope_pv(acc_O, pa, stage_base + v_row)
