@@ -40,7 +40,7 @@ def _check_build(variant, tmp_path, monkeypatch):
         }[variant.config.precision]
         assert res["mma"] == expected
         assert res["registers"] <= variant.config.max_registers
-        # QK's n tiles two at a time (QK_TILES_AT_ONCE of partial_f16 and partial_fp8): no
+        # QK's n tiles two or four at a time (QK_TILES_AT_ONCE of partial_f16 and partial_fp8): no
         # MMA of a main loop waits on the one just before it (one tile at a time: 12 per role
         # and chunk in "f16", 23 / 22 per chunk in "fp8" / "mxf8")
         loops = {"f16": 2}.get(variant.config.precision, 1)

@@ -21,9 +21,9 @@ Per chunk of 32 entries:
    group; ``cvt.rn.f16x2.e4m3x2`` turns them into the f16 B fragment of k order {2q, 2q+1,
    8+2q, 9+2q} (Q's A fragments are loaded in the same column order), 4 f16 MMAs per m16
    tile, then times the entry's 2**(b - 127). Warp 7: bf16 MMAs on the raw bf16 rope bytes.
-   The nope warps take the n tiles two at a time (``QK_TILES_AT_ONCE``) so that two chains of
-   4 dependent MMAs interleave, the rope warp all four (``ROPE_QK_TILES_AT_ONCE``). Each warp
-   writes its partial S [heads, 32] (f32) to shared memory.
+   The nope warps take the n tiles two or four at a time (``QK_TILES_AT_ONCE``) so that
+   chains of 4 dependent MMAs interleave, the rope warp all four (``ROPE_QK_TILES_AT_ONCE``).
+   Each warp writes its partial S [heads, 32] (f32) to shared memory.
 2. Softmax, all 256 threads: thread t sums the 8 partials of 2 or 4 consecutive entries of
    one head (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)), masks invalid
    entries to -inf, and runs the online softmax with the 16 or 8 threads of its head (the
@@ -218,11 +218,13 @@ RESCALE_LOG2 = 8.0
 # 117. The late copies then have less than a chunk to land, which the 16-head kernel's third
 # row stage covers; the 32-head kernel (two stages: sm_120's choice for many heads) issues all 4 early.
 EARLY_ROW_GROUPS = {1: 1, 2: 4}
-# QK's n tiles (8 entries each, 4 per chunk) multiplied at once per warp, their chains of 4
-# dependent MMAs interleaved (``tests/test_compile_sm120.py`` checks that no MMA of the f16
-# loops follows the one it accumulates onto). 4 at once: 40 more instructions per chunk at
-# the 128-register bound.
-QK_TILES_AT_ONCE = 2
+# QK's n tiles (8 entries each, 4 per chunk) multiplied at once per nope warp, their chains
+# of 4 dependent MMAs interleaved (``tests/test_compile_sm120.py`` checks that no MMA of the
+# f16 loops follows the one it accumulates onto): by (head groups, two_ctas_per_sm). All 4 in
+# the one-group kernel without the register bound (one round of loads and chains instead of
+# two: QK phase 123 -> 120 instructions, PV 129 -> 143; measured, session 11); 2 at the
+# 128-register bound (4: 40 more instructions per chunk) and with two groups (8 chains).
+QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 2, (2, False): 2}
 # The rope warp takes all 4 at once (its B fragments are the raw bf16 rows, no conversion;
 # still within the 128-register bound, no spills): its QK phase, with the gather the longest
 # of the chunk, then has no NOP between dependent MMAs (measured: session 9 above).
@@ -496,8 +498,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             # S_w = Q_w K_w^T times each entry's scale; n tiles in pairs, their MMA chains
             # interleaved (one tile at a time, ptxas issued the 16 MMAs back to back on one
             # accumulator, each waiting for the one before)
-            for nb0 in cutlass.range_constexpr(0, 4, QK_TILES_AT_ONCE):
-                tiles = range(nb0, nb0 + QK_TILES_AT_ONCE)
+            at_once = QK_TILES_AT_ONCE[mt, self.cfg.two_ctas_per_sm]
+            for nb0 in cutlass.range_constexpr(0, 4, at_once):
+                tiles = range(nb0, nb0 + at_once)
                 b = {}
                 for nb in tiles:
                     kb = ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE, trans=False)
