@@ -63,7 +63,7 @@ from scripts.bench import GRID, list_lengths  # noqa: E402
 from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E402
 
 ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
-FIXED_US = 9.8  # the fastest call of the H200 bench at e5f9d9c (1 x 16 x 128)
+FIXED_US = 9.7  # the fastest call of the H200 bench at d931db8 (1 x 16 x 128)
 SCHEDULERS_PER_SM = 4
 # dense MMA FLOPs per SM and cycle on SM120 by kind: RTX 5090 (QuACK) TFLOP/s / (170 SMs x 2.407 GHz)
 TENSOR_FLOP_PER_SM_CYCLE = {kind: tflops * 1e12 / (170 * 2.407e9)

@@ -159,13 +159,17 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   exact step as a 0-or-1-pass loop (154 registers, 77 register moves in the rope warp's
   loop), its condition by ``vote.sync.any`` (68+ moves per loop), none of the two (ptxas's
   divergent-warp fallback for the shuffles), and skipping the first chunk's rescale (69
-  moves where the rescale loop joins).
+  moves where the rescale loop joins). Then (next lease) QK's four n tiles at once in the
+  one-group kernel without the bound (``QK_TILES_AT_ONCE``): T=1 11 of 12 shapes 0.6-4%
+  faster (1 x 128 x 1024 12.74 -> 12.48 us), 8 x 16 x all 0.7-4% (8 x 16 x 128 10.78 ->
+  10.34), 64 x 16 x 128 12.54 -> 12.32, 8 x 128 x 128 (four chunks per CTA) 11.62 -> 11.90.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
   rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
   to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (134
-  registers, sm_120's kernel): 309 and 340 (the QK phases 123 and 16 + 160, the softmax 47
-  each); 32 heads (202 registers): 459 and 456. 2503 warp-instructions per chunk (2600 at
-  the bound) against 4194 before session 6 (bf16 kernel: 4690). The nope warps' 32 HMMA are
+  registers, sm_120's kernel, QK's four n tiles at once): 320 and 340 (the QK phases 120 and
+  16 + 160, the softmax 47 each, PV 143 and 110); 32 heads (202 registers): 459 and 456.
+  2580 warp-instructions per chunk (2600 at the bound) against 4194 before session 6 (bf16
+  kernel: 4690). The nope warps' 32 HMMA are
   10% of their instructions: the loop is latency-bound (ncu at 64 x 128 x 1024, session 11:
   issue slots 45% busy, 8.4 cycles between a warp's issues with 3.8 warps per scheduler, of
   them fixed-latency waits 1.9, the barriers 1.6, shared memory / shuffles 1.4).
