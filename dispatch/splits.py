@@ -36,6 +36,13 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
     return max(1, min(by_registers, by_smem))
 
 
+def two_bounded_f16_ctas_fit(smem_per_sm: int) -> bool:
+    """Whether an SM with ``smem_per_sm`` bytes of shared memory holds two "f16" one-group
+    CTAs held to 128 registers (the H200: yes; sm_120: no): where the dispatch plans that
+    kernel two to an SM and the variant space has its bounded form."""
+    return resident_ctas_per_sm(PartialConfig(precision="f16", two_ctas_per_sm=True), smem_per_sm) > 1
+
+
 def ctas_per_split(num_tokens: int, num_heads: int, cfg: PartialConfig) -> int:
     """The CTAs one split of a call launches: one per token and block of ``cfg.heads_per_cta`` heads."""
     return num_tokens * -(-num_heads // cfg.heads_per_cta)

@@ -27,7 +27,7 @@ from cute_kernels.sparse_mla_decode.config import (
 )
 
 from .metadata import DecodeMetadata
-from .splits import resident_ctas_per_sm
+from .splits import two_bounded_f16_ctas_fit
 
 DEFAULT_PRECISION = "f16"
 
@@ -63,8 +63,8 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
 
     16 or fewer heads: one (they do not pay for 32).
 
-    "f16": one where an SM holds two of its 16-head CTAs (the H200: ``resident_ctas_per_sm``
-    with ``smem_per_sm``); there, measured (BENCHMARKS.md, ``scripts/bench.py --head-groups
+    "f16": one where an SM holds two of its 16-head CTAs (the H200:
+    ``splits.two_bounded_f16_ctas_fit``); there, measured (BENCHMARKS.md, ``scripts/bench.py --head-groups
     2``, 2026-12-01), 32-head CTAs (one per SM: 208 registers) were 1-4% slower on 11 of the
     12 shapes of 64 and 256 tokens x 64/128 heads and up to 19% slower at 1 and 8 tokens.
     Where an SM holds one 16-head CTA anyway (sm_120: 100 KB of shared memory per SM), two
@@ -88,7 +88,7 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     if num_heads <= 16:
         return 1
     if precision == "f16":
-        if resident_ctas_per_sm(PartialConfig(precision="f16", two_ctas_per_sm=True), smem_per_sm) > 1:
+        if two_bounded_f16_ctas_fit(smem_per_sm):
             return 1
         min_blocks, min_entries = F16_TWO_GROUPS_MIN_BLOCKS, F16_TWO_GROUPS_MIN_ENTRIES
     else:
@@ -165,7 +165,7 @@ _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sin
 
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``."""
-    two_fit = resident_ctas_per_sm(PartialConfig(two_ctas_per_sm=True), SMEM_PER_SM_BY_ARCH[arch]) > 1
+    two_fit = two_bounded_f16_ctas_fit(SMEM_PER_SM_BY_ARCH[arch])
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p, two_ctas_per_sm=two), arch)
