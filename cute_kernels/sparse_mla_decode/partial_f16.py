@@ -749,14 +749,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             if m_old == -Float32.inf:
                 m_base = Float32(0.0)
             exceeds = Int32(0)
-            psum = Float32(0.0)
             for e in cutlass.range_constexpr(ept):
                 exceeds = exceeds | Int32(acc[e] > m_old + RESCALE_LOG2)
-                p[e] = cute.math.exp2(acc[e] - m_base, fastmath=True)
-                psum = psum + p[e]
-            self._store_p(p, p16_base, pbf_base, p_offset)
-            if tidx % tpr == 0:
-                _smem_scalar(Float32, corr_addr)[0] = Float32(1.0)
+            psum = self._write_p(acc, m_base, Float32(1.0), p, p16_base, pbf_base, p_offset, corr_addr, tidx)
             moved = cute.arch.make_warp_uniform(sync_threads_or(exceeds))
             if moved == 0:
                 run[1] = run[1] + psum
@@ -776,17 +771,26 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             if m_new == -Float32.inf:
                 m_base = Float32(0.0)
             corr = cute.math.exp2(m_old - m_base, fastmath=True)
-            psum = Float32(0.0)
-            for e in cutlass.range_constexpr(ept):
-                p[e] = cute.math.exp2(acc[e] - m_base, fastmath=True)
-                psum = psum + p[e]
+            psum = self._write_p(acc, m_base, corr, p, p16_base, pbf_base, p_offset, corr_addr, tidx)
             run[1] = run[1] * corr + psum
             run[0] = m_new
-            self._store_p(p, p16_base, pbf_base, p_offset)
-            if tidx % tpr == 0:
-                _smem_scalar(Float32, corr_addr)[0] = corr
             cute.arch.sync_threads()
         return moved
+
+    @cute.jit
+    def _write_p(self, acc, m_base, corr, p, p16_base, pbf_base, p_offset, corr_addr, tidx):
+        """P = 2**(score - m_base) of this thread's entries into ``p`` and the P rows, the
+        head row's rescale factor ``corr`` (by its first thread); returns the entries' sum.
+        Both softmax paths (against the old max, and the exact step) write P through this."""
+        ept, tpr = self._softmax_geometry()
+        psum = Float32(0.0)
+        for e in cutlass.range_constexpr(ept):
+            p[e] = cute.math.exp2(acc[e] - m_base, fastmath=True)
+            psum = psum + p[e]
+        self._store_p(p, p16_base, pbf_base, p_offset)
+        if tidx % tpr == 0:
+            _smem_scalar(Float32, corr_addr)[0] = corr
+        return psum
 
     @cute.jit
     def _store_p(self, p, p16_base, pbf_base, offset):
