@@ -80,6 +80,10 @@ class SparseMlaPartialKernel:
     """The partial kernel for one ``PartialConfig``; ``__call__`` is the ``cute.jit`` launcher."""
 
     INDEX_THREAD0 = 0  # the first of the block_n threads that load a chunk's indices
+    # chunks of indices in flight beyond ``stages`` (the "f16" kernel issues them one chunk
+    # further ahead, with its late rows: ``partial_f16._rope_role``); the buffers
+    # (``PartialConfig.slot_buffers``) hold stages + 1 chunks either way
+    EXTRA_INDEX_CHUNKS = 0
 
     def __init__(self, cfg: PartialConfig):
         cfg.check()
@@ -542,10 +546,11 @@ class SparseMlaPartialKernel:
 
     @cute.jit
     def _start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
-        """The first ``stages`` chunks' indices (cp.async, in the same group as Q), a wait for
-        them and Q (visible to every thread on return), then the first ``stages - 1`` chunks'
-        rows (in flight, one cp.async group each)."""
-        for k in cutlass.range_constexpr(self.stages):
+        """The first ``stages + EXTRA_INDEX_CHUNKS`` chunks' indices (cp.async, in the same group as Q),
+        a wait for them and Q (visible to every
+        thread on return), then the first ``stages - 1`` chunks' rows (in flight, one cp.async
+        group each)."""
+        for k in cutlass.range_constexpr(self.stages + self.EXTRA_INDEX_CHUNKS):
             if c_begin + k < c_end:
                 self._issue_indices(ctx, c_begin + k, Int32(k))
         cute.arch.cp_async_commit_group()  # group: Q and the first indices

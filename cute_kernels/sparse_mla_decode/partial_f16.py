@@ -1,9 +1,9 @@
 """Split-K partial kernel, "f16" form (``PartialConfig.precision == "f16"``): column-sliced
 warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
-Same work split, pipeline order (``partial.py``: rows ``num_stages - 1`` chunks ahead,
-indices ``num_stages`` ahead, ``_next_chunk``) and outputs as the bf16 kernel; the gather is
-one warp's (below) and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16
+Same work split, rows ``num_stages - 1`` chunks ahead (``partial.py``, ``_next_chunk``) and
+outputs as the bf16 kernel; the indices go one chunk further ahead (``num_stages + 1``), the
+gather is one warp's (below) and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16
 tiles: one where an SM holds two of these CTAs, the H200; two for many heads where it holds
 one anyway, sm_120: ``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of
 the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
@@ -44,8 +44,8 @@ Per chunk of 32 entries:
 Gather: in the main loop the rope warp alone issues the next chunks' indices, validity
 masks, rows and scales (``_locate_rows`` / ``_copy_rows``; invalid rows zero-filled by the
 copies' src-size 0): the first ``EARLY_ROW_GROUPS`` of its 4 groups of 8 rows after the
-chunk-head barrier, the rest after the softmax, to even out its phases against the nope
-warps'. The first two chunks' rows, on every call's critical path, are copied by all 256
+chunk-head barrier, the rest after the softmax together with the indices of the chunk after
+next (one cp.async group per chunk), to even out its phases against the nope warps'. The first two chunks' rows, on every call's critical path, are copied by all 256
 threads (``_issue_rows``; each waits for its own copies before the barrier that publishes them).
 Invalid entries have zero rows and probability 0. Three CTA barriers per chunk (four when a
 max moved): the stage landed (and the previous PV is done), the partial S written, P written.
@@ -163,11 +163,19 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   one-group kernel without the bound (``QK_TILES_AT_ONCE``): T=1 11 of 12 shapes 0.6-4%
   faster (1 x 128 x 1024 12.74 -> 12.48 us), 8 x 16 x all 0.7-4% (8 x 16 x 128 10.78 ->
   10.34), 64 x 16 x 128 12.54 -> 12.32, 8 x 128 x 128 (four chunks per CTA) 11.62 -> 11.90.
+- Session 12 (2026-12-02): ncu's per-instruction warp samples at 64 x 128 x 1024 (all 16 warps
+  of an SM): 19.5% of them at barriers, 8.6% the nope warps at the chunk-head barrier and 7.9%
+  at the one after QK (waiting for the rope warp's QK phase, gather included), 1.8% at the P
+  barrier; the rope warp's cp.async wait before the chunk-head barrier 0.04%: the rows land in
+  time, the rope warp's instructions are what the others wait for. Hence the later indices
+  (``LATE_INDICES``) where its PV phase has room: the kernel without the bound 0.991x /
+  0.994x over its 21 bench shapes in two leases; at the bound 0.4-1.7% slower, not used there.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
   rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
-  to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (134
+  to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
   registers, sm_120's kernel, QK's four n tiles at once): 320 and 340 (the QK phases 120 and
-  16 + 160, the softmax 47 each, PV 143 and 110); 32 heads (202 registers): 459 and 456.
+  116, the softmax 47 each, PV 143 + 2 and 139 + 29 with the later indices); 32 heads (204
+  registers): 459 and 460.
   2580 warp-instructions per chunk (2600 at the bound) against 4194 before session 6 (bf16
   kernel: 4690). The nope warps' 32 HMMA are
   10% of their instructions: the loop is latency-bound (ncu at 64 x 128 x 1024, session 11:
@@ -233,6 +241,20 @@ QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 2, (2, False): 2}
 # still within the 128-register bound, no spills): its QK phase, with the gather the longest
 # of the chunk, then has no NOP between dependent MMAs (measured: session 9 above).
 ROPE_QK_TILES_AT_ONCE = 4
+# By two_ctas_per_sm: whether the rope warp issues the indices of chunk c + stages + 1 with
+# chunk c's late rows (after the softmax, one cp.async group per chunk) instead of those of
+# chunk c + stages right after the chunk-head barrier (the QK phase, its own group). Late in
+# the kernel without the register bound (sm_120a, per chunk between barriers, one group: the
+# rope warp's QK interval 160 -> 116 instructions against the nope warps' 120, its PV interval
+# 126 -> 168 against their 145, so the longer of each 305 -> 288; two groups: QK 247 -> 199
+# against 178, PV 127 -> 177 against 198, 445 -> 397). H200 (session 12, two
+# leases, old / new / old / new each): the 21 bench shapes of 1 to 64 tokens that run it
+# 0.991x and 0.994x in geometric mean (1 x 16 x 1024 10.59 -> 10.34 us, 1 x 64 x 128+512
+# 11.20 -> 11.04). At the bound (two CTAs per SM) the rope warp's loop is 400 instructions
+# against the nope warps' 351 and its PV phase would become the chunk's longest (184 against
+# 138): the 15 shapes that run it were 0.4-1.7% slower (64 x 128 x 1024 105.8 -> 107.5), so
+# early there (its SASS is the one before).
+LATE_INDICES = {False: True, True: False}
 
 
 def _smem_scalar(dtype, addr):
@@ -258,6 +280,11 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         # 8-entry row groups of the next chunk the rope warp issues right after the chunk-head
         # barrier; the rest after the softmax (see "the gather" below)
         self.early_row_groups = EARLY_ROW_GROUPS[cfg.head_groups]
+        # where the rope warp issues the indices of a later chunk (``LATE_INDICES``): with the
+        # late rows, stages + 1 chunks ahead (one cp.async group per chunk), or after the
+        # chunk-head barrier, stages ahead (their own group, as ``_next_chunk``)
+        self.late_indices = LATE_INDICES[cfg.two_ctas_per_sm]
+        self.EXTRA_INDEX_CHUNKS = int(self.late_indices)  # the prologue's (``_start_pipeline``)
 
     def _allocate_s_exchange(self, smem):
         """Each warp's partial S for all heads of the CTA: [warp][head][F16_S_ROW] f32."""
@@ -393,8 +420,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
     # warp-wide copy: 64 contiguous bytes of 8 rows). An invalid entry's row and scales are
     # zero-filled by the same copies (src-size 0: nothing is read). In the main loop the
     # rope warp issues the first ``early_row_groups`` of the 4 groups after the chunk-head
-    # barrier and the rest after the softmax, where it has the fewest instructions
-    # (``_rope_role``).
+    # barrier and the rest after the softmax, where it has the fewest instructions, with the
+    # indices of chunk c + stages + 1 (``_rope_role``).
 
     @cute.jit
     def _locate_rows(self, ctx, c: Int32, buf: Int32):
@@ -434,15 +461,15 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
 
     @cute.jit
     def _start_next_chunk(self, ctx, c: Int32, c_end: Int32, step: Int32, lane: Int32):
-        """The rope warp's first part of the per-chunk gather (``_next_chunk``'s order): chunk
-        c + stages's indices (their own cp.async group), chunk c + stages - 1 located and its
-        first ``early_row_groups`` groups of rows (and the scales) started. Returns the
+        """The rope warp's first part of the per-chunk gather: without ``late_indices`` chunk
+        c + stages's indices (their own cp.async group); chunk c + stages - 1 located and its first ``early_row_groups`` groups of rows (and the scales) started. Returns the
         location for ``_copy_rows`` of the other groups. (Located even past c_end: into a
         mask buffer no chunk in use reads; nothing is copied for it.)"""
         ahead = self.stages - 1
-        if c + ahead + 1 < c_end:
-            self._issue_indices(ctx, c + ahead + 1, (step + ahead + 1) % self.slots)
-        cute.arch.cp_async_commit_group()
+        if const_expr(not self.late_indices):
+            if c + ahead + 1 < c_end:
+                self._issue_indices(ctx, c + ahead + 1, (step + ahead + 1) % self.slots)
+            cute.arch.cp_async_commit_group()
         stage = (step + ahead) % self.stages
         located = self._locate_rows(ctx, c + ahead, (step + ahead) % self.slots)
         stage_base = ctx.raw_base + stage * self.stage_bytes
@@ -608,7 +635,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
             buf = step % self.slots
-            cute.arch.cp_async_wait_group(self.stages - 2)  # chunk c's rows, c + stages - 1's indices
+            # chunk c's rows and c + stages - 1's indices; in flight stay the rows of chunk
+            # c + stages - 2 (and with late_indices, in the same group, chunk c + stages's indices)
+            cute.arch.cp_async_wait_group(self.stages - 2)
             self._next_chunk(ctx, c, c_end, step, issue=False)
             stage_base = ctx.raw_base + (step % self.stages) * self.stage_bytes
             next_base = ctx.raw_base + ((step + self.stages - 1) % self.stages) * self.stage_bytes
@@ -637,6 +666,11 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             if c + self.stages - 1 < c_end:
                 self._copy_rows(next_base, located, lane, range(self.early_row_groups, self.bn // 8),
                                 scales=self.early_row_groups == 0)
+            if const_expr(self.late_indices):
+                # chunk c + stages + 1's indices, in the same cp.async group as these rows (one
+                # group per chunk): located two chunks from now, after the wait that lands it
+                if c + self.stages + 1 < c_end:
+                    self._issue_indices(ctx, c + self.stages + 1, (step + self.stages + 1) % self.slots)
             cute.arch.cp_async_commit_group()
 
             pa = [self._load_p(bases.pbf, m, s, lane) for m in range(mt) for s in range(2)]
