@@ -2,8 +2,8 @@
 warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
 Same work split, rows ``num_stages - 1`` chunks ahead (``partial.py``, ``_next_chunk``) and
-outputs as the bf16 kernel; the indices go one chunk further ahead (``num_stages + 1``), the
-gather is one warp's (below) and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16
+outputs as the bf16 kernel; the indices ``num_stages`` ahead or, without the register bound,
+one chunk further (``LATE_INDICES``); the gather is one warp's (below) and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16
 tiles: one where an SM holds two of these CTAs, the H200; two for many heads where it holds
 one anyway, sm_120: ``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of
 the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
@@ -44,9 +44,11 @@ Per chunk of 32 entries:
 Gather: in the main loop the rope warp alone issues the next chunks' indices, validity
 masks, rows and scales (``_locate_rows`` / ``_copy_rows``; invalid rows zero-filled by the
 copies' src-size 0): the first ``EARLY_ROW_GROUPS`` of its 4 groups of 8 rows after the
-chunk-head barrier, the rest after the softmax together with the indices of the chunk after
-next (one cp.async group per chunk), to even out its phases against the nope warps'. The first two chunks' rows, on every call's critical path, are copied by all 256
-threads (``_issue_rows``; each waits for its own copies before the barrier that publishes them).
+chunk-head barrier, the rest after the softmax, to even out its phases against the nope
+warps'; a later chunk's indices right after that barrier, or (``LATE_INDICES``: the kernel
+without the register bound) with the late rows. The first two chunks' rows, on every call's
+critical path, are copied by all 256 threads (``_issue_rows``; each waits for its own copies
+before the barrier that publishes them).
 Invalid entries have zero rows and probability 0. Three CTA barriers per chunk (four when a
 max moved): the stage landed (and the previous PV is done), the partial S written, P written.
 
@@ -169,7 +171,8 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   barrier; the rope warp's cp.async wait before the chunk-head barrier 0.04%: the rows land in
   time, the rope warp's instructions are what the others wait for. Hence the later indices
   (``LATE_INDICES``) where its PV phase has room: the kernel without the bound 0.991x /
-  0.994x over its 21 bench shapes in two leases; at the bound 0.4-1.7% slower, not used there.
+  0.994x over its 21 bench shapes in two leases; at the bound up to 1.7% slower (14 of 15
+  shapes), not used there.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
   rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
   to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
@@ -252,8 +255,8 @@ ROPE_QK_TILES_AT_ONCE = 4
 # 0.991x and 0.994x in geometric mean (1 x 16 x 1024 10.59 -> 10.34 us, 1 x 64 x 128+512
 # 11.20 -> 11.04). At the bound (two CTAs per SM) the rope warp's loop is 400 instructions
 # against the nope warps' 351 and its PV phase would become the chunk's longest (184 against
-# 138): the 15 shapes that run it were 0.4-1.7% slower (64 x 128 x 1024 105.8 -> 107.5), so
-# early there (its SASS is the one before).
+# 138): 14 of the 15 shapes that run it were slower, by up to 1.7% (64 x 128 x 1024 105.8 ->
+# 107.5), so early there (its SASS is the one before).
 LATE_INDICES = {False: True, True: False}
 
 
@@ -420,8 +423,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
     # warp-wide copy: 64 contiguous bytes of 8 rows). An invalid entry's row and scales are
     # zero-filled by the same copies (src-size 0: nothing is read). In the main loop the
     # rope warp issues the first ``early_row_groups`` of the 4 groups after the chunk-head
-    # barrier and the rest after the softmax, where it has the fewest instructions, with the
-    # indices of chunk c + stages + 1 (``_rope_role``).
+    # barrier and the rest after the softmax, where it has the fewest instructions (with
+    # ``late_indices`` also the indices of chunk c + stages + 1 there: ``_rope_role``).
 
     @cute.jit
     def _locate_rows(self, ctx, c: Int32, buf: Int32):
