@@ -239,14 +239,19 @@ TWO_GROUP_CASES = [c for c in CASES if c.H > 16] + [
 ]
 
 
-@pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
-def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
+def _forced_f16_plan_matches_reference(case: Case, monkeypatch, what: str, **force):
+    """Run ``case`` in "f16" with the dispatch's choices overridden (``force``: ``head_groups``
+    for the shape config, ``two_ctas_per_sm`` for the register bound), check it against the
+    reference, and return the plan (for the caller's assertions)."""
     import dispatch.api as api
     import dispatch.plan as plan_mod
 
-    shape_config = plan_mod.partial_shape_config
-    monkeypatch.setattr(plan_mod, "partial_shape_config",
-                        lambda *a, **k: shape_config(*a, **k, head_groups=2))
+    if "head_groups" in force:
+        shape_config = plan_mod.partial_shape_config
+        monkeypatch.setattr(plan_mod, "partial_shape_config",
+                            lambda *a, **k: shape_config(*a, **k, head_groups=force["head_groups"]))
+    if "two_ctas_per_sm" in force:
+        monkeypatch.setattr(plan_mod, "two_ctas_per_sm", lambda *a, **k: force["two_ctas_per_sm"])
     monkeypatch.setattr(api, "_PLANS", {})  # plans of this test only, dropped after it
     device = torch.device("cuda")
     q, cache, idx, kw = build_inputs(case, device)
@@ -254,9 +259,33 @@ def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
     got = run_twice(case, q, idx, lambda q, idx, out, lse: sparse_mla_decode(q, cache, idx, out=out, lse=lse,
                                                                              precision="f16", **kw))
     (plan,) = api._PLANS.values()
-    assert plan.variants[0].config.head_groups == 2
     rel, lse_err = check_against_reference(got[0][0], got[0][1], ref_out, ref_lse, "f16")
-    ACCURACY.append((f"f16 groups=2 (forced) splits={plan.split.num_splits} {case}", rel, lse_err))
+    ACCURACY.append((f"f16 {what} (forced) splits={plan.split.num_splits} chunks/split={plan.split.chunks_per_split} "
+                     f"{case}", rel, lse_err))
+    return plan
+
+
+@pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
+def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
+    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "groups=2", head_groups=2)
+    assert plan.variants[0].config.head_groups == 2
+
+
+# "f16" one group without the register bound (sm_120's kernel for up to 16 heads per CTA, and
+# the H200's where one CTA per SM is planned), forced where the H200 plans two CTAs per SM: its
+# rope warp issues the indices one chunk further ahead (``partial_f16.LATE_INDICES``), which only
+# splits of more than stages + 1 = 4 chunks reach (7 of these cases have 6-16 per split on the
+# H200; T=16 x 128 and the last one cross from the main list into the extra one there)
+FREE_KERNEL_CASES = [c for c in CASES if c.T >= 8 and c.H >= 32] + [
+    Case(T=100, H=16, topk=100, extra_topk=300, extra_page=32, extra_blocks=80, lengths="random", spread=8),
+]
+
+
+@pytest.mark.parametrize("case", FREE_KERNEL_CASES, ids=str)
+def test_f16_one_group_without_register_bound_matches_reference(case: Case, monkeypatch):
+    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "unbounded", two_ctas_per_sm=False)
+    cfg = plan.variants[0].config
+    assert cfg.head_groups == 1 and not cfg.two_ctas_per_sm
 
 
 def test_allocates_outputs_with_leading_shape():

@@ -80,10 +80,6 @@ class SparseMlaPartialKernel:
     """The partial kernel for one ``PartialConfig``; ``__call__`` is the ``cute.jit`` launcher."""
 
     INDEX_THREAD0 = 0  # the first of the block_n threads that load a chunk's indices
-    # chunks of indices in flight beyond ``stages`` (the "f16" kernel issues them one chunk
-    # further ahead, with its late rows: ``partial_f16._rope_role``); the buffers
-    # (``PartialConfig.slot_buffers``) hold stages + 1 chunks either way
-    EXTRA_INDEX_CHUNKS = 0
 
     def __init__(self, cfg: PartialConfig):
         cfg.check()
@@ -98,6 +94,10 @@ class SparseMlaPartialKernel:
         self.stage_bytes = cfg.stage_bytes
         self.stages = cfg.stages  # raw row buffers (``_next_chunk``)
         self.slots = cfg.slot_buffers  # index / validity-mask buffers
+        # chunks whose indices the prologue loads (``_start_pipeline``): ``stages`` here; the
+        # "f16" kernel without the register bound issues them one chunk further ahead
+        # (``partial_f16.LATE_INDICES``); at most ``slots``
+        self.index_chunks = cfg.stages
         self.scale_off = cfg.block_n * RAW_ROW_STRIDE  # scales follow the rows in a stage
 
     def fake_args(self) -> list:
@@ -546,11 +546,10 @@ class SparseMlaPartialKernel:
 
     @cute.jit
     def _start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
-        """The first ``stages + EXTRA_INDEX_CHUNKS`` chunks' indices (cp.async, in the same group as Q),
-        a wait for them and Q (visible to every
-        thread on return), then the first ``stages - 1`` chunks' rows (in flight, one cp.async
-        group each)."""
-        for k in cutlass.range_constexpr(self.stages + self.EXTRA_INDEX_CHUNKS):
+        """The first ``index_chunks`` chunks' indices (cp.async, in the same group as Q), a
+        wait for them and Q (visible to every thread on return), then the first ``stages - 1``
+        chunks' rows (in flight, one cp.async group each)."""
+        for k in cutlass.range_constexpr(self.index_chunks):
             if c_begin + k < c_end:
                 self._issue_indices(ctx, c_begin + k, Int32(k))
         cute.arch.cp_async_commit_group()  # group: Q and the first indices

@@ -3,10 +3,10 @@ warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
 Same work split, rows ``num_stages - 1`` chunks ahead (``partial.py``, ``_next_chunk``) and
 outputs as the bf16 kernel; the indices ``num_stages`` ahead or, without the register bound,
-one chunk further (``LATE_INDICES``); the gather is one warp's (below) and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16
-tiles: one where an SM holds two of these CTAs, the H200; two for many heads where it holds
-one anyway, sm_120: ``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of
-the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
+one chunk further (``LATE_INDICES``); the gather is one warp's (below) and the compute
+differs. The CTA covers 16 or 32 heads (``head_groups`` m16 tiles: one where an SM holds two
+of these CTAs, the H200; two for many heads where it holds one anyway, sm_120:
+``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
 per entry) or the 64 rope dims (w = 7). So each gathered byte is turned into an MMA operand by
 exactly one warp, once for QK and once for PV, and a 32-head CTA multiplies each operand
 register into two m16 tiles. There is no dequantized tile in shared memory.
@@ -287,7 +287,10 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         # late rows, stages + 1 chunks ahead (one cp.async group per chunk), or after the
         # chunk-head barrier, stages ahead (their own group, as ``_next_chunk``)
         self.late_indices = LATE_INDICES[cfg.two_ctas_per_sm]
-        self.EXTRA_INDEX_CHUNKS = int(self.late_indices)  # the prologue's (``_start_pipeline``)
+        self.index_chunks = cfg.stages + int(self.late_indices)
+        # the buffer a late issue overwrites is that of chunk c + stages + 1 - slots = c, whose
+        # indices were read (located) two chunks before, and its validity mask is a separate array
+        assert self.index_chunks <= self.slots == cfg.stages + 1
 
     def _allocate_s_exchange(self, smem):
         """Each warp's partial S for all heads of the CTA: [warp][head][F16_S_ROW] f32."""
@@ -465,7 +468,8 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
     @cute.jit
     def _start_next_chunk(self, ctx, c: Int32, c_end: Int32, step: Int32, lane: Int32):
         """The rope warp's first part of the per-chunk gather: without ``late_indices`` chunk
-        c + stages's indices (their own cp.async group); chunk c + stages - 1 located and its first ``early_row_groups`` groups of rows (and the scales) started. Returns the
+        c + stages's indices (their own cp.async group); chunk c + stages - 1 located and its
+        first ``early_row_groups`` groups of rows (and the scales) started. Returns the
         location for ``_copy_rows`` of the other groups. (Located even past c_end: into a
         mask buffer no chunk in use reads; nothing is copied for it.)"""
         ahead = self.stages - 1
