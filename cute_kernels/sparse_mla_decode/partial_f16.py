@@ -244,7 +244,8 @@ QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 2, (2, False): 2}
 # still within the 128-register bound, no spills): its QK phase, with the gather the longest
 # of the chunk, then has no NOP between dependent MMAs (measured: session 9 above).
 ROPE_QK_TILES_AT_ONCE = 4
-# By two_ctas_per_sm: whether the rope warp issues the indices of chunk c + stages + 1 with
+# LATE_INDICES (``late_indices``: true exactly without the register bound, i.e. where not
+# ``two_ctas_per_sm``): whether the rope warp issues the indices of chunk c + stages + 1 with
 # chunk c's late rows (after the softmax, one cp.async group per chunk) instead of those of
 # chunk c + stages right after the chunk-head barrier (the QK phase, its own group). Late in
 # the kernel without the register bound (sm_120a, per chunk between barriers, one group: the
@@ -257,7 +258,6 @@ ROPE_QK_TILES_AT_ONCE = 4
 # against the nope warps' 351 and its PV phase would become the chunk's longest (184 against
 # 138): 14 of the 15 shapes that run it were slower, by up to 1.7% (64 x 128 x 1024 105.8 ->
 # 107.5), so early there (its SASS is the one before).
-LATE_INDICES = {False: True, True: False}
 
 
 def _smem_scalar(dtype, addr):
@@ -286,11 +286,11 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         # where the rope warp issues the indices of a later chunk (``LATE_INDICES``): with the
         # late rows, stages + 1 chunks ahead (one cp.async group per chunk), or after the
         # chunk-head barrier, stages ahead (their own group, as ``_next_chunk``)
-        self.late_indices = LATE_INDICES[cfg.two_ctas_per_sm]
+        self.late_indices = not cfg.two_ctas_per_sm
         self.index_chunks = cfg.stages + int(self.late_indices)
-        # the buffer a late issue overwrites is that of chunk c + stages + 1 - slots = c, whose
-        # indices were read (located) two chunks before, and its validity mask is a separate array
-        assert self.index_chunks <= self.slots == cfg.stages + 1
+        # with stages + 1 buffers a late issue in chunk c writes chunk c's index buffer (its
+        # indices were located at chunk c - stages + 1); the prologue fills one per chunk
+        assert self.index_chunks <= self.slots
 
     def _allocate_s_exchange(self, smem):
         """Each warp's partial S for all heads of the CTA: [warp][head][F16_S_ROW] f32."""
