@@ -131,7 +131,8 @@ def _backward_loops(body, label_addr) -> list:
     """(start, end) of every loop closed by a backward branch."""
     loops = []
     for addr, text in body:
-        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        # "@P0 BRA `(.L_x_1)", and the uniform form "BRA.U UP0, `(.L_x_1)"
+        target = re.search(r"BRA(?:\.U)?\s+(?:!?UP\w+,\s*)?`?\(?(\.L_x_\d+)", text)
         if target and label_addr.get(target.group(1), addr + 1) <= addr:
             loops.append((label_addr[target.group(1)], addr))
     return loops

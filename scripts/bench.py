@@ -13,7 +13,10 @@ take main = the last 128 tokens of a sequence through a random block table and e
 random slots of a second cache. Each call is captured in one CUDA graph and replayed;
 time = median of ``triton.testing.do_bench`` (which clears L2 before every call).
 GB/s counts T x (topk + extra_topk) x 584 bytes. The copy ceiling is measured in the same
-run (a 4 GiB device-to-device copy, bytes read + written).
+run (a 4 GiB device-to-device copy, bytes read + written). "%mma" is the call's tensor work
+(``tensor_flops``: QK over 512 dims and PV over 512 columns per head and entry) per second
+against the GPU's ``mma.sync`` f16 rate, also measured in the same run
+(``scripts/mma_ceiling.py``): the many-head shapes are bound there, not by the gather.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES  # noqa: E402
+from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, TOKEN_BYTES  # noqa: E402
 from cute_kernels.sparse_mla_decode.reference import reference_decode  # noqa: E402
 from dispatch import sparse_mla_decode  # noqa: E402
 from tests.dsv4_inputs import make_cache  # noqa: E402
@@ -49,6 +52,11 @@ FLASHMLA_US = {
     (8, 16, "128+512"): 19.2, (8, 64, "128+512"): 19.2, (8, 128, "128+512"): 20.3,
     (64, 16, "128+512"): 47.8, (64, 64, "128+512"): 47.9, (64, 128, "128+512"): 39.5,
 }
+
+
+def tensor_flops(T: int, H: int, shape: str) -> int:
+    """The MMA FLOPs of a call: QK (512 dims) and PV (512 value columns) per head and entry."""
+    return 2 * T * H * sum(list_lengths(shape)) * (D_QK + D_V)
 
 
 def copy_ceiling_gbs() -> float:
@@ -139,8 +147,12 @@ def main(argv=None) -> int:
     cpu_gen = torch.Generator().manual_seed(0)
     caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
               make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
+    from scripts.mma_ceiling import mma_ceiling_tflops
+
     ceiling = copy_ceiling_gbs()
-    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s", flush=True)
+    mma_tflops = mma_ceiling_tflops()
+    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "
+          f"mma.sync f16 ceiling {mma_tflops:.0f} TFLOP/s", flush=True)
     tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else None
     grid = [row for row in GRID if (not args.quick or row[0] in QUICK_TOKENS) and (tokens is None or row[0] in tokens)]
     rows = []
@@ -153,21 +165,24 @@ def main(argv=None) -> int:
         ref_us = math.nan if args.quick or args.no_torch else graph_time_us(lambda: reference_decode(q, cache, idx, **kw))
         gbs = T * entries * TOKEN_BYTES / (us * 1e-6) / 1e9
         fm = FLASHMLA_US.get((T, H, shape))
-        row = dict(T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, torch_us=ref_us,
+        tflops = tensor_flops(T, H, shape) / (us * 1e-6) / 1e12
+        row = dict(T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, tflops=tflops,
+                   frac_mma=tflops / mma_tflops, torch_us=ref_us,
                    speedup_vs_torch=ref_us / us, flashmla_us=fm, vs_flashmla=(fm / us) if fm else None,
                    precision=precisions[0], us_by_precision=times)
         rows.append(row)
         print(f"[{n + 1}/{len(grid)}] T={T} H={H} topk={shape}: {us:.1f} us", file=sys.stderr, flush=True)
-    print(f"{'T':>4} {'H':>4} {'topk':>8} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'x torch':>8} "
+    print(f"{'T':>4} {'H':>4} {'topk':>8} {'us':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>7} {'%mma':>6} "
+          f"{'torch us':>9} {'x torch':>8} "
           f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:]))
     for r in rows:
         fm = f"{r['flashmla_us']:>11.1f} {r['vs_flashmla']:>10.2f}" if r["flashmla_us"] else f"{'-':>11} {'-':>10}"
         print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
-              f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
+              f"{r['tflops']:>7.0f} {100 * r['frac_mma']:>5.1f}% {r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
               + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=ceiling,
-                                                   rows=rows), indent=1))
+                                                   mma_tflops=mma_tflops, rows=rows), indent=1))
     return 0
 
 
