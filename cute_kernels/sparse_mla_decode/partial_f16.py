@@ -173,6 +173,26 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   (``LATE_INDICES``) where its PV phase has room: the kernel without the bound 0.991x /
   0.994x over its 21 bench shapes in two leases; at the bound up to 1.7% slower (14 of 15
   shapes), not used there.
+- Session 13 (2026-12-02, ``scripts/bench.py`` A/B, old / new / old / new in one lease, each
+  shape's minimum): the H200's ``mma.sync`` f16 rate is 618 TFLOP/s
+  (``scripts/mma_ceiling.py``): 64 x 128 x 1024 runs at 161 TFLOP/s (26% of it; FlashMLA's wgmma
+  336, 54%); at ~10 instructions per MMA (2580 per 256 MMAs per chunk) even full issue (4 per
+  clock and SM, 1.98 GHz) would cap it at ~69%. Tried and not kept ((a) and (b) passed the GPU
+  suite): (a) PV's value fragments as ``movmatrix`` transposes of QK's converted B fragments (no
+  ``ldmatrix.trans``, byte permute or second conversion): the nope loop without the bound 320 ->
+  300 sm_90a instructions, 352 -> 360 sm_120a (ptxas moves the accumulators around the MOVMs),
+  and 1.087x slower on the 36 FlashMLA shapes (64 x 128 x 1024 106.1 -> 114.7 us): MOVM is
+  expensive on the H200; (b) the list parameters of a chunk (index row, lengths, page, magic,
+  stride, base of the main or the extra list) from a table in shared memory instead of ptxas's
+  per-chunk constant loads and selects: the rope warp's QK phase at the bound 168 -> 137-150
+  sm_90a instructions, and 1.005x slower in both placements tried (LDS latency on its critical
+  chain); (c) four QK n tiles at once at the register bound: 1.003x (64 x 64 / 128 up to 1.5%
+  slower); (d) two early row groups: 1.015x slower. SASS only: the nope warps copying their own
+  64 columns of the late row groups from row addresses the rope warp publishes (rope loop 371 ->
+  333 sm_90a instructions) costs each nope warp ~45 (addresses, masks, stage arithmetic per
+  lane): at the bound the nope warps' PV interval 115 -> 168 sm_90a instructions against the
+  rope warp's QK interval 168 -> 171: not run. And 32-head CTAs at 1 and 8 tokens
+  (``--head-groups 2``, 64 / 128 heads) again 1.0-1.27x slower than 16-head ones on the H200.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
   rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
   to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
