@@ -16,7 +16,8 @@ GB/s counts T x (topk + extra_topk) x 584 bytes. The copy ceiling is measured in
 run (a 4 GiB device-to-device copy, bytes read + written). "%mma" is the call's tensor work
 (``tensor_flops``: QK over 512 dims and PV over 512 columns per head and entry) per second
 against the GPU's ``mma.sync`` f16 rate, also measured in the same run
-(``scripts/mma_ceiling.py``): the many-head shapes are bound there, not by the gather.
+(``scripts/mma_ceiling.py``): what bounds the many-head shapes is the MMAs and the
+instructions around them, not the gather.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, TOKEN_BYTES  # noqa: E402
 from cute_kernels.sparse_mla_decode.reference import reference_decode  # noqa: E402
 from dispatch import sparse_mla_decode  # noqa: E402
+from scripts.mma_ceiling import mma_ceiling_tflops  # noqa: E402
 from tests.dsv4_inputs import make_cache  # noqa: E402
 
 NUM_BLOCKS, PAGE = 4096, 64
@@ -55,7 +57,8 @@ FLASHMLA_US = {
 
 
 def tensor_flops(T: int, H: int, shape: str) -> int:
-    """The MMA FLOPs of a call: QK (512 dims) and PV (512 value columns) per head and entry."""
+    """The tensor work of a call in FLOPs: QK (512 dims) and PV (512 value columns) per head
+    and entry (without the kernels' padding of heads to 16 and of entries to 32)."""
     return 2 * T * H * sum(list_lengths(shape)) * (D_QK + D_V)
 
 
@@ -147,8 +150,6 @@ def main(argv=None) -> int:
     cpu_gen = torch.Generator().manual_seed(0)
     caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
               make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
-    from scripts.mma_ceiling import mma_ceiling_tflops
-
     ceiling = copy_ceiling_gbs()
     mma_tflops = mma_ceiling_tflops()
     print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "

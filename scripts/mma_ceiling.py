@@ -70,7 +70,7 @@ def mma_ceiling_tflops() -> float:
     from cutlass.cute.runtime import from_dlpack
     from triton.testing import do_bench
 
-    blocks = torch.cuda.get_device_properties(0).multi_processor_count * CTAS_PER_SM
+    blocks = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count * CTAS_PER_SM
     out = torch.empty(blocks * THREADS, dtype=torch.float32, device="cuda")
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     out_t = from_dlpack(out)
