@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     for r in rows:
         fm = f"{r['flashmla_us']:>11.1f} {r['vs_flashmla']:>10.2f}" if r["flashmla_us"] else f"{'-':>11} {'-':>10}"
         print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
-              f"{r['tflops']:>7.0f} {100 * r['frac_mma']:>5.1f}% {r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
+              f"{r['tflops']:>7.0f} {100 * r['frac_mma']:>5.1f}% "
+              f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
               + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=ceiling,

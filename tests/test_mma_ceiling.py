@@ -16,7 +16,8 @@ def test_mma_loop_is_independent_f16_mmas(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     out = make_fake_compact_tensor(Float32, (4 * THREADS,))
-    compiled = cute.compile(launch_mma_loop, out, Int32(16), 4, make_fake_stream(), options="--gpu-arch sm_120a --keep-cubin")
+    compiled = cute.compile(launch_mma_loop, out, Int32(16), 4, make_fake_stream(),
+                            options="--gpu-arch sm_120a --keep-cubin")
     cubin = compiled.artifacts.CUBIN
     mix = mma_loop_mix(disassemble(cubin))
     assert mix.mma_kinds == {"HMMA.16816.F32": CHAINS}

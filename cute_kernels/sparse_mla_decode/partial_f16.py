@@ -2,14 +2,15 @@
 warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
 Same work split, rows ``num_stages - 1`` chunks ahead (``partial.py``, ``_next_chunk``) and
-outputs as the bf16 kernel; the indices ``num_stages`` ahead or, without the register bound,
-one chunk further (``LATE_INDICES``); the gather is one warp's (below) and the compute
-differs. The CTA covers 16 or 32 heads (``head_groups`` m16 tiles: one where an SM holds two
-of these CTAs, the H200; two for many heads where it holds one anyway, sm_120:
-``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale
-per entry) or the 64 rope dims (w = 7). So each gathered byte is turned into an MMA operand by
-exactly one warp, once for QK and once for PV, and a 32-head CTA multiplies each operand
-register into two m16 tiles. There is no dequantized tile in shared memory.
+outputs as the bf16 kernel; the indices ``num_stages`` ahead or, without the register bound, one
+chunk further (``LATE_INDICES``); the gather is one warp's (below) and the compute differs. The
+CTA covers 16 or 32 heads (``head_groups`` m16 tiles: one where an SM holds two of these CTAs,
+the H200; two for many heads where it holds one anyway, sm_120:
+``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of the QK width
+and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale per entry) or
+the 64 rope dims (w = 7). So each gathered byte is turned into an MMA operand by exactly one
+warp, once for QK and once for PV, and a 32-head CTA multiplies each operand register into two
+m16 tiles. There is no dequantized tile in shared memory.
 
 Per CTA (once): Q's nope dims of head h are scaled by 2**(14 - E_h), E_h the exponent of the
 head's largest |q| (so |q| < 2**15 fits f16 exactly: f16 has more mantissa than bf16) and
