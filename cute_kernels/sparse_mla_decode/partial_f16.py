@@ -194,6 +194,17 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   lane): at the bound the nope warps' PV interval 115 -> 168 sm_90a instructions against the
   rope warp's QK interval 168 -> 171: not run. And 32-head CTAs at 1 and 8 tokens
   (``--head-groups 2``, 64 / 128 heads) again 1.0-1.27x slower than 16-head ones on the H200.
+- Session 14 (2026-12-02, same method; none kept, BENCHMARKS.md has the tables): (a) the
+  warps' roles rotated by two where the CTA's first hardware warp slot (``%warpid``) lies in an
+  odd block of 8, so that two CTAs on an SM keep their rope warps on different sub-partitions:
+  1.006x over 24 shapes; (b) "entry halves", 16 warps, two per 64-column unit, each taking 16
+  of a chunk's entries (113 registers, 304 / 365 instructions per warp and chunk): correct, and
+  8-16% slower on each of the 21 shapes that run one CTA per SM (1 x 128 x 1024 12.61 -> 13.98
+  us), i.e. a chunk's time is not its longest warp's chain; (c) a dequantized f16 tile shared by
+  32 heads in 16 warps (QK by column pairs, PV from the tile, four CTA barriers per chunk, 95.9
+  KB): correct, and 1.29-1.37x slower at 64 / 256 tokens x 64 / 128 heads (64 x 128 x 1024
+  106.3 -> 140.0 us); (d) SASS only: a ``cp.async.bulk`` per gathered row takes uniform
+  operands, so one per lane becomes a 32-pass loop over the lanes: no fewer instructions.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
   rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
   to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
