@@ -273,9 +273,10 @@ def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
 
 # "f16" one group without the register bound (sm_120's kernel for up to 16 heads per CTA, and
 # the H200's where one CTA per SM is planned), forced where the H200 plans two CTAs per SM: its
-# rope warp issues the indices one chunk further ahead (``partial_f16.LATE_INDICES``), which only
-# splits of more than stages + 1 = 4 chunks reach (7 of these cases have 6-16 per split on the
-# H200; T=16 x 128 and the last one cross from the main list into the extra one there)
+# rope warp issues the indices one chunk further ahead
+# (``SparseMlaPartialF16Kernel.late_indices``), which only splits of more than stages + 1 = 4
+# chunks reach (7 of these cases have 6-16 per split on the H200; T=16 x 128 and the last one
+# cross from the main list into the extra one there)
 FREE_KERNEL_CASES = [c for c in CASES if c.T >= 8 and c.H >= 32] + [
     Case(T=100, H=16, topk=100, extra_topk=300, extra_page=32, extra_blocks=80, lengths="random", spread=8),
 ]

@@ -96,7 +96,7 @@ class SparseMlaPartialKernel:
         self.slots = cfg.slot_buffers  # index / validity-mask buffers
         # chunks whose indices the prologue loads (``_start_pipeline``): ``stages`` here; the
         # "f16" kernel without the register bound issues them one chunk further ahead
-        # (``partial_f16.LATE_INDICES``); at most ``slots``
+        # (``SparseMlaPartialF16Kernel.late_indices``); at most ``slots``
         self.index_chunks = cfg.stages
         self.scale_off = cfg.block_n * RAW_ROW_STRIDE  # scales follow the rows in a stage
 

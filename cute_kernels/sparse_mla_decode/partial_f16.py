@@ -3,7 +3,7 @@ warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
 Same work split, rows ``num_stages - 1`` chunks ahead (``partial.py``, ``_next_chunk``) and
 outputs as the bf16 kernel; the indices ``num_stages`` ahead or, without the register bound, one
-chunk further (``LATE_INDICES``); the gather is one warp's (below) and the compute differs. The
+chunk further (``late_indices``); the gather is one warp's (below) and the compute differs. The
 CTA covers 16 or 32 heads (``head_groups`` m16 tiles: one where an SM holds two of these CTAs,
 the H200; two for many heads where it holds one anyway, sm_120:
 ``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of the QK width
@@ -46,7 +46,7 @@ Gather: in the main loop the rope warp alone issues the next chunks' indices, va
 masks, rows and scales (``_locate_rows`` / ``_copy_rows``; invalid rows zero-filled by the
 copies' src-size 0): the first ``EARLY_ROW_GROUPS`` of its 4 groups of 8 rows after the
 chunk-head barrier, the rest after the softmax, to even out its phases against the nope
-warps'; a later chunk's indices right after that barrier, or (``LATE_INDICES``: the kernel
+warps'; a later chunk's indices right after that barrier, or (``late_indices``: the kernel
 without the register bound) with the late rows. The first two chunks' rows, on every call's
 critical path, are copied by all 256 threads (``_issue_rows``; each waits for its own copies
 before the barrier that publishes them).
@@ -171,7 +171,7 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   at the one after QK (waiting for the rope warp's QK phase, gather included), 1.8% at the P
   barrier; the rope warp's cp.async wait before the chunk-head barrier 0.04%: the rows land in
   time, the rope warp's instructions are what the others wait for. Hence the later indices
-  (``LATE_INDICES``) where its PV phase has room: the kernel without the bound 0.991x /
+  (``late_indices``) where its PV phase has room: the kernel without the bound 0.991x /
   0.994x over its 21 bench shapes in two leases; at the bound up to 1.7% slower (14 of 15
   shapes), not used there.
 - Session 13 (2026-12-02, ``scripts/bench.py`` A/B, old / new / old / new in one lease, each
@@ -200,7 +200,7 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   1.006x over 24 shapes; (b) "entry halves", 16 warps, two per 64-column unit, each taking 16
   of a chunk's entries (113 registers, 304 / 365 instructions per warp and chunk): correct, and
   8-16% slower on each of the 21 shapes that run one CTA per SM (1 x 128 x 1024 12.61 -> 13.98
-  us), i.e. a chunk's time is not its longest warp's chain; (c) a dequantized f16 tile shared by
+  us): the shorter per-warp chains did not shorten the call; (c) a dequantized f16 tile shared by
   32 heads in 16 warps (QK by column pairs, PV from the tile, four CTA barriers per chunk, 95.9
   KB): correct, and 1.29-1.37x slower at 64 / 256 tokens x 64 / 128 heads (64 x 128 x 1024
   106.3 -> 140.0 us); (d) SASS only: a ``cp.async.bulk`` per gathered row takes uniform
@@ -276,20 +276,20 @@ QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 2, (2, False): 2}
 # still within the 128-register bound, no spills): its QK phase, with the gather the longest
 # of the chunk, then has no NOP between dependent MMAs (measured: session 9 above).
 ROPE_QK_TILES_AT_ONCE = 4
-# LATE_INDICES (``late_indices``: true exactly without the register bound, i.e. where not
-# ``two_ctas_per_sm``): whether the rope warp issues the indices of chunk c + stages + 1 with
-# chunk c's late rows (after the softmax, one cp.async group per chunk) instead of those of
-# chunk c + stages right after the chunk-head barrier (the QK phase, its own group). Late in
-# the kernel without the register bound (sm_120a, per chunk between barriers, one group: the
-# rope warp's QK interval 160 -> 116 instructions against the nope warps' 120, its PV interval
-# 126 -> 168 against their 145, so the longer of each 305 -> 288; two groups: QK 247 -> 199
-# against 178, PV 127 -> 177 against 198, 445 -> 397). H200 (session 12, two
-# leases, old / new / old / new each): the 21 bench shapes of 1 to 64 tokens that run it
-# 0.991x and 0.994x in geometric mean (1 x 16 x 1024 10.59 -> 10.34 us, 1 x 64 x 128+512
-# 11.20 -> 11.04). At the bound (two CTAs per SM) the rope warp's loop is 400 instructions
-# against the nope warps' 351 and its PV phase would become the chunk's longest (184 against
-# 138): 14 of the 15 shapes that run it were slower, by up to 1.7% (64 x 128 x 1024 105.8 ->
-# 107.5), so early there (its SASS is the one before).
+# Late indices (``late_indices``, set in ``__init__``: true exactly without the register bound,
+# i.e. where not ``two_ctas_per_sm``): whether the rope warp issues the indices of chunk c +
+# stages + 1 with chunk c's late rows (after the softmax, one cp.async group per chunk) instead
+# of those of chunk c + stages right after the chunk-head barrier (the QK phase, its own group).
+# Late in the kernel without the register bound (sm_120a, per chunk between barriers, one group:
+# the rope warp's QK interval 160 -> 116 instructions against the nope warps' 120, its PV
+# interval 126 -> 168 against their 145, so the longer of each 305 -> 288; two groups: QK 247 ->
+# 199 against 178, PV 127 -> 177 against 198, 445 -> 397). H200 (session 12, two leases, old /
+# new / old / new each): the 21 bench shapes of 1 to 64 tokens that run it 0.991x and 0.994x in
+# geometric mean (1 x 16 x 1024 10.59 -> 10.34 us, 1 x 64 x 128+512 11.20 -> 11.04). At the
+# bound (two CTAs per SM) the rope warp's loop is 400 instructions against the nope warps' 351
+# and its PV phase would become the chunk's longest (184 against 138): 14 of the 15 shapes that
+# run it were slower, by up to 1.7% (64 x 128 x 1024 105.8 -> 107.5), so early there (its SASS
+# is the one before).
 
 
 def _smem_scalar(dtype, addr):
@@ -315,7 +315,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         # 8-entry row groups of the next chunk the rope warp issues right after the chunk-head
         # barrier; the rest after the softmax (see "the gather" below)
         self.early_row_groups = EARLY_ROW_GROUPS[cfg.head_groups]
-        # where the rope warp issues the indices of a later chunk (``LATE_INDICES``): with the
+        # where the rope warp issues the indices of a later chunk (``late_indices``): with the
         # late rows, stages + 1 chunks ahead (one cp.async group per chunk), or after the
         # chunk-head barrier, stages ahead (their own group, as ``_next_chunk``)
         self.late_indices = not cfg.two_ctas_per_sm
