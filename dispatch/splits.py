@@ -29,8 +29,9 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
     """How many partial-kernel CTAs of ``cfg`` one SM holds at once (registers, shared memory).
 
     On sm_120 (100 KB of shared memory per SM) that is 1 for every configuration; on the
-    H200 (228 KB) 2 for the "f16" one-group kernel held to 128 registers (``two_ctas_per_sm``)
-    and for the bf16 / FP8 one-group kernels (128 threads), 1 for two groups (registers)."""
+    H200 (228 KB) 2 for the "f16" kernel of either head-group count held to 128 registers
+    (``two_ctas_per_sm``) and for the bf16 / FP8 one-group kernels (128 threads), 1 for the
+    other two-group kernels (registers)."""
     by_registers = REGISTERS_PER_SM // (cfg.max_registers * cfg.num_threads)
     by_smem = smem_per_sm // (cfg.smem_bytes() + DRIVER_SMEM_PER_CTA)
     return max(1, min(by_registers, by_smem))
@@ -38,8 +39,9 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
 
 def two_bounded_f16_ctas_fit(smem_per_sm: int) -> bool:
     """Whether an SM with ``smem_per_sm`` bytes of shared memory holds two "f16" one-group
-    CTAs held to 128 registers (the H200: yes; sm_120: no): where the dispatch plans that
-    kernel two to an SM and the variant space has its bounded form."""
+    CTAs held to 128 registers (the H200: yes; sm_120: no): where the dispatch plans the
+    "f16" kernels two to an SM (the 32-head one too where its grid is large enough:
+    ``variants.head_groups_for``) and the variant space has their bounded forms."""
     return resident_ctas_per_sm(PartialConfig(precision="f16", two_ctas_per_sm=True), smem_per_sm) > 1
 
 

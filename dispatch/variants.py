@@ -6,7 +6,7 @@ is a runtime argument, so the set of variants is small and closed:
 
     partial: precision (``precisions_for(arch)``) x head_groups (1 or 2: ``head_groups_for``) x has_topk_length x
              has_extra_topk_length x (split mode | final mode without sink | final mode with sink),
-             and for the "f16" one-group kernel on an arch whose SMs hold two of it (sm_90a),
+             and for the "f16" kernel on an arch whose SMs hold two of it (sm_90a),
              x two_ctas_per_sm (the 128-register launch bound: ``splits.two_ctas_per_sm``)
     merge:   has_sink x split_batch (``merge_batch_for(num_splits)``)
 
@@ -27,7 +27,7 @@ from cute_kernels.sparse_mla_decode.config import (
 )
 
 from .metadata import DecodeMetadata
-from .splits import two_bounded_f16_ctas_fit
+from .splits import resident_ctas_per_sm, two_bounded_f16_ctas_fit
 
 DEFAULT_PRECISION = "f16"
 
@@ -55,6 +55,10 @@ TWO_GROUPS_MIN_ENTRIES = 256
 # ... and "f16" where an SM holds one of its 16-head CTAs anyway (sm_120)
 F16_TWO_GROUPS_MIN_BLOCKS = 64
 F16_TWO_GROUPS_MIN_ENTRIES = 512
+# "f16" where an SM holds two CTAs of either head-group count held to 128 registers (the H200):
+# two groups when the 32-head CTAs (tokens x ceil(heads / 32)) fill at least this fraction
+# (numerator, denominator) of the SMs' slots for them, with no split
+F16_BOUNDED_TWO_GROUPS_MIN_FILL = (3, 4)
 
 
 def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: int, smem_per_sm: int,
@@ -63,10 +67,19 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
 
     16 or fewer heads: one (they do not pay for 32).
 
-    "f16": one where an SM holds two of its 16-head CTAs (the H200:
-    ``splits.two_bounded_f16_ctas_fit``); there, measured (BENCHMARKS.md, ``scripts/bench.py --head-groups
-    2``, 2026-12-01), 32-head CTAs (one per SM: 208 registers) were 1-4% slower on 11 of the
-    12 shapes of 64 and 256 tokens x 64/128 heads and up to 19% slower at 1 and 8 tokens.
+    "f16" where an SM holds two of its 16-head CTAs (the H200:
+    ``splits.two_bounded_f16_ctas_fit``): there the 32-head kernel is held to 128 registers
+    too, two CTAs per SM, and two groups are used where those CTAs alone fill at least
+    ``F16_BOUNDED_TWO_GROUPS_MIN_FILL`` of the slots (tokens x ceil(heads / 32) >= 198 on
+    132 SMs): each gathered byte then becomes an MMA operand once for 32 heads (4622 sm_90a
+    warp-instructions per 32 heads and chunk against 5824 for two 16-head CTAs). Measured
+    (session 15, BENCHMARKS.md; the 16-head and 32-head CTAs each at the dispatch's split):
+    0.82-0.88x the time at 64 x 128, 128 x 64 and 256 x 32 / 64 / 128 heads (256 32-head
+    CTAs or more); 1.01-1.02x at 48 x 128 and 96 x 64 (192: a quarter of the slots idle);
+    1.09-1.16x where the 32-head grid needs a split the 16-head one does not (64 x 64 x 512,
+    32 x 128 x 512, 128 x 32 x 512) or more splits (8 x 128 x 1024); 0.97-0.98x with splits
+    on both sides (16 x 128 x 1024, 32 x 64 x 1024: left to one group). Held to one CTA per
+    SM (208 registers, 2026-12-01), 32-head CTAs had been slower there.
     Where an SM holds one 16-head CTA anyway (sm_120: 100 KB of shared memory per SM), two
     groups when the 16-head blocks outnumber the SMs or there are at least
     ``F16_TWO_GROUPS_MIN_BLOCKS`` of them with ``F16_TWO_GROUPS_MIN_ENTRIES`` entries per token:
@@ -89,7 +102,10 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
         return 1
     if precision == "f16":
         if two_bounded_f16_ctas_fit(smem_per_sm):
-            return 1
+            slots = num_sms * resident_ctas_per_sm(
+                PartialConfig(head_groups=2, precision="f16", two_ctas_per_sm=True), smem_per_sm)
+            num, den = F16_BOUNDED_TWO_GROUPS_MIN_FILL
+            return 2 if num_tokens * -(-num_heads // 32) * den >= num * slots else 1
         min_blocks, min_entries = F16_TWO_GROUPS_MIN_BLOCKS, F16_TWO_GROUPS_MIN_ENTRIES
     else:
         min_blocks, min_entries = TWO_GROUPS_MIN_BLOCKS, TWO_GROUPS_MIN_ENTRIES
@@ -104,14 +120,14 @@ def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
     """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
     call on a GPU of ``num_sms`` SMs with ``smem_per_sm`` bytes of shared memory each: what
     the split plan depends on (the flags of a variant do not change its resources). The
-    "f16" one-group kernel is planned as two CTAs per SM where the SM holds two
+    "f16" kernel (either head-group count) is planned as two CTAs per SM where the SM holds two
     (``two_ctas_per_sm``; the launch then drops that bound where the grid has no more CTAs
     than SMs: ``splits.two_ctas_per_sm``). ``head_groups``: that many instead of
     ``head_groups_for``'s choice (a measurement aid: ``scripts/bench.py --head-groups``)."""
     groups = head_groups or head_groups_for(num_heads, num_tokens, num_sms, entries=entries,
                                             smem_per_sm=smem_per_sm, precision=precision)
     return PartialConfig(head_groups=groups, precision=precision,
-                         two_ctas_per_sm=precision == "f16" and groups == 1)
+                         two_ctas_per_sm=precision == "f16")
 
 
 def precisions_for(arch: str) -> tuple[str, ...]:
@@ -171,7 +187,7 @@ def variant_space(arch: str) -> list[KernelVariant]:
                                     has_sink=s, precision=p, two_ctas_per_sm=two), arch)
         for p, g, a, b, (f, s), two in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
                                                          _MODES, (False, True))
-        if not two or (p == "f16" and g == 1 and two_fit)
+        if not two or (p == "f16" and two_fit)
     ]
     out += [KernelVariant(MergeConfig(has_sink=s, split_batch=b), arch) for s in (False, True) for b in MERGE_BATCHES]
     return out

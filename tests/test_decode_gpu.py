@@ -15,7 +15,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import sparse_mla_decode
-from dispatch.splits import plan_splits
+from dispatch.splits import plan_splits, two_bounded_f16_ctas_fit
 from cute_kernels.arch import arch_for_capability
 from dispatch.variants import partial_shape_config, precisions_for
 from tests.dsv4_inputs import make_cache, make_indices
@@ -271,6 +271,20 @@ def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
     assert plan.variants[0].config.head_groups == 2
 
 
+# "f16" two head groups held to 128 registers: the H200's kernel for many heads where its grid
+# fills the SMs two CTAs each (``head_groups_for``; the default-path cases of 300 x 128 and
+# 700 x 64 run it in final mode), forced here with splits too (its rope warp issues the
+# indices late, as without the bound: ``late_indices``)
+@pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
+def test_f16_two_head_groups_with_register_bound_match_reference(case: Case, monkeypatch):
+    if not two_bounded_f16_ctas_fit(torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor):
+        pytest.skip("this GPU's SMs hold one such CTA: no bounded variant is built for it")
+    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "groups=2 bounded", head_groups=2,
+                                              two_ctas_per_sm=True)
+    cfg = plan.variants[0].config
+    assert cfg.head_groups == 2 and cfg.two_ctas_per_sm and cfg.max_registers == 128
+
+
 # "f16" one group without the register bound (sm_120's kernel for up to 16 heads per CTA, and
 # the H200's where one CTA per SM is planned), forced where the H200 plans two CTAs per SM: its
 # rope warp issues the indices one chunk further ahead
@@ -284,7 +298,7 @@ FREE_KERNEL_CASES = [c for c in CASES if c.T >= 8 and c.H >= 32] + [
 
 @pytest.mark.parametrize("case", FREE_KERNEL_CASES, ids=str)
 def test_f16_one_group_without_register_bound_matches_reference(case: Case, monkeypatch):
-    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "unbounded", two_ctas_per_sm=False)
+    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "unbounded", head_groups=1, two_ctas_per_sm=False)
     cfg = plan.variants[0].config
     assert cfg.head_groups == 1 and not cfg.two_ctas_per_sm
 

@@ -62,10 +62,16 @@ def test_head_groups_follow_heads_and_load():
     assert bf16(64, 34, 132, entries=64) == 2  # more blocks than SMs: no split, two groups
     assert bf16(64, 33, 132, entries=64) == 1  # 132 blocks: splits come in, 64 entries
     assert bf16(17, 200, 188, entries=1) == 2
-    # "f16" (the default) where an SM holds two 16-head CTAs (the H200): one group for every
-    # shape (measured)
-    for H, T in ((16, 4096), (128, 4), (128, 8), (64, 34), (128, 256), (17, 200)):
-        assert head_groups_for(H, T, 132, entries=1024, smem_per_sm=H200_SMEM_PER_SM) == 1
+    # "f16" (the default) where an SM holds two CTAs of either shape (the H200): two groups
+    # where the 32-head CTAs fill three quarters of the 264 slots without a split (measured)
+    def h200(H, T, entries=1024):
+        return head_groups_for(H, T, 132, entries=entries, smem_per_sm=H200_SMEM_PER_SM)
+
+    for H, T in ((16, 4096), (128, 4), (128, 8), (64, 34), (64, 64), (128, 32), (128, 48), (64, 98), (32, 197)):
+        assert h200(H, T) == 1, (H, T)
+    for H, T in ((128, 64), (128, 256), (64, 99), (64, 128), (32, 198), (17, 200), (128, 50)):
+        assert h200(H, T) == 2, (H, T)
+    assert h200(128, 64, entries=1) == 2  # the rule does not look at the entries
 
     # ... and where it holds one (sm_120): 32-head CTAs for many heads (measured at that occupancy)
     def f16(*args, **kw):
@@ -134,17 +140,18 @@ def test_split_plans_follow_the_h200_measurements():
 
 
 @pytest.mark.parametrize("T,H,topk,extra", [(1, 128, 1024, 0), (8, 16, 512, 0), (64, 16, 128, 0), (8, 128, 1024, 0),
-                                            (64, 128, 512, 0), (8, 64, 128, 512), (256, 8, 128, 0)])
+                                            (64, 128, 512, 0), (8, 64, 128, 512), (256, 8, 128, 0),
+                                            (256, 64, 128, 0)])
 def test_register_bound_only_where_two_ctas_share_an_sm(T, H, topk, extra):
-    """The "f16" one-group kernel is held to 128 registers exactly where its grid has more
-    CTAs than the H200 has SMs (two then share one); never on sm_120 (one CTA per SM)."""
+    """The "f16" kernel (16- or 32-head CTAs) is held to 128 registers exactly where its grid
+    has more CTAs than the H200 has SMs (two then share one); never on sm_120 (one CTA per SM)."""
     md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=64, extra_topk=extra)
     for sms, smem, arch in ((132, H200_SMEM_PER_SM, "sm_90a"), (188, SM120_SMEM_PER_SM, "sm_120a")):
         cfg = partial_shape_config(H, T, sms, entries=topk + extra, smem_per_sm=smem)
         plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=sms, smem_per_sm=smem)
         two = two_ctas_per_sm(cfg, plan, T, H, sms, smem)
         ctas = T * math.ceil(H / cfg.heads_per_cta) * plan.num_splits
-        assert two == (arch == "sm_90a" and cfg.head_groups == 1 and ctas > sms), (arch, cfg, plan)
+        assert two == (arch == "sm_90a" and ctas > sms), (arch, cfg, plan)
         partial = variants_for(md, arch, plan.num_splits, cfg.head_groups, two_ctas_per_sm=two)[0]
         assert partial.config.max_registers == (128 if two else 255)
         assert partial in variant_space(arch)
@@ -254,18 +261,21 @@ def test_every_supported_arch_has_its_shared_memory_per_sm():
 def test_resident_ctas_per_sm():
     """sm_120 (100 KB of shared memory per SM) holds one partial CTA of either shape and
     precision; the H200 (228 KB) two of the one-group shape (bf16: 128 threads; f16: 256
-    threads held to 128 registers by the launch bound) and one of the two-group shape."""
+    threads held to 128 registers by the launch bound), two of the f16 two-group shape held
+    the same way, and one bf16 two-group CTA."""
     for precision in ("bf16", "f16"):
-        one, two = (PartialConfig(head_groups=g, precision=precision, two_ctas_per_sm=g == 1 and precision == "f16")
+        one, two = (PartialConfig(head_groups=g, precision=precision, two_ctas_per_sm=precision == "f16")
                     for g in (1, 2))
         assert resident_ctas_per_sm(one, SM120_SMEM_PER_SM) == resident_ctas_per_sm(two, SM120_SMEM_PER_SM) == 1
         assert resident_ctas_per_sm(one, H200_SMEM_PER_SM) == 2
-        assert resident_ctas_per_sm(two, H200_SMEM_PER_SM) == 1
-    assert PartialConfig(head_groups=1, two_ctas_per_sm=True).max_registers == 128
+        assert resident_ctas_per_sm(two, H200_SMEM_PER_SM) == (2 if precision == "f16" else 1)
+    for groups in (1, 2):
+        assert PartialConfig(head_groups=groups, two_ctas_per_sm=True).max_registers == 128
+        PartialConfig(head_groups=groups, two_ctas_per_sm=True).check()
+        assert resident_ctas_per_sm(PartialConfig(head_groups=groups), H200_SMEM_PER_SM) == 1  # unbounded: one
     assert PartialConfig(head_groups=1).max_registers == PartialConfig(head_groups=2).max_registers == 255
-    assert resident_ctas_per_sm(PartialConfig(head_groups=1), H200_SMEM_PER_SM) == 1  # 136 registers: one
-    with pytest.raises(ValueError, match="one-group"):
-        PartialConfig(head_groups=2, two_ctas_per_sm=True).check()
+    with pytest.raises(ValueError, match="for the \"f16\" kernel"):
+        PartialConfig(head_groups=1, precision="bf16", two_ctas_per_sm=True).check()
 
 
 def test_precision_defaults_and_availability():
@@ -283,5 +293,5 @@ def test_precision_defaults_and_availability():
         counts = {p: sum(1 for v in variant_space(arch) if v.kind == "partial" and v.config.precision == p)
                   for p in precisions_for(arch)}
         # every precision serves every call shape (2 groups x 12), and on the H200 the "f16"
-        # one-group kernel also held to two CTAs per SM (12 more)
-        assert counts == {p: 24 + (12 if p == "f16" and arch == "sm_90a" else 0) for p in precisions_for(arch)}
+        # kernels of both groups also held to two CTAs per SM (24 more)
+        assert counts == {p: 24 + (24 if p == "f16" and arch == "sm_90a" else 0) for p in precisions_for(arch)}

@@ -64,7 +64,7 @@ class PartialConfig:
     block_n: int = 32
     warps_per_group: int = 4
     num_stages: int | None = None  # raw row stages; None: ``default_stages``
-    two_ctas_per_sm: bool = False  # "f16" one group only: held to 128 registers (``min_ctas_per_sm``)
+    two_ctas_per_sm: bool = False  # "f16" only: held to 128 registers (``min_ctas_per_sm``)
 
     @property
     def stages(self) -> int:
@@ -104,10 +104,10 @@ class PartialConfig:
 
     @property
     def min_ctas_per_sm(self) -> int:
-        """The launch bound (``.minnctapersm``). ``two_ctas_per_sm`` (the "f16" one-group
-        kernel only): held to 128 registers so that two of its 256-thread CTAs fit an SM's
-        registers, which the dispatch asks for where a call's grid puts two on an SM (the
-        H200, ``dispatch.splits.two_ctas_per_sm``; on sm_120 shared memory allows one CTA
+        """The launch bound (``.minnctapersm``). ``two_ctas_per_sm`` (the "f16" kernel only,
+        either head-group count): held to 128 registers so that two of its 256-thread CTAs fit
+        an SM's registers, which the dispatch asks for where a call's grid puts two on an SM
+        (the H200, ``dispatch.splits.two_ctas_per_sm``; on sm_120 shared memory allows one CTA
         anyway). Otherwise ptxas may use all 255 (the "f16" one-group kernel then takes 136,
         and its sm_120a main loop is 332 -> 319 instructions per chunk in the nope warps, 375
         -> 348 in the rope warp; measured on the H200 at one CTA per SM, 2026-12-01: 1-3.4%
@@ -163,8 +163,8 @@ class PartialConfig:
             raise ValueError(f"warps_per_group {self.warps_per_group} must split {D_QK} into 64-wide slices")
         if self.block_n * (D_QK // 8) % self.num_threads != 0:
             raise ValueError("block_n * 64 must be a multiple of the thread count")
-        if self.two_ctas_per_sm and (self.precision != "f16" or self.head_groups != 1):
-            raise ValueError("two_ctas_per_sm is for the \"f16\" one-group kernel (no other kernel has a 128-register bound)")
+        if self.two_ctas_per_sm and self.precision != "f16":
+            raise ValueError("two_ctas_per_sm is for the \"f16\" kernel (no other kernel has a 128-register bound)")
         if self.stages not in (2, 3):
             raise ValueError(f"num_stages {self.stages} must be 2 or 3 (the cp.async group order of _next_chunk)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:

@@ -2,11 +2,12 @@
 warps, e4m3 -> f16 in registers, the softmax spread over the CTA.
 
 Same work split, rows ``num_stages - 1`` chunks ahead (``partial.py``, ``_next_chunk``) and
-outputs as the bf16 kernel; the indices ``num_stages`` ahead or, without the register bound, one
-chunk further (``late_indices``); the gather is one warp's (below) and the compute differs. The
-CTA covers 16 or 32 heads (``head_groups`` m16 tiles: one where an SM holds two of these CTAs,
-the H200; two for many heads where it holds one anyway, sm_120:
-``dispatch.variants.head_groups_for``) with 8 warps, and warp w owns 64 columns of the QK width
+outputs as the bf16 kernel; the indices ``num_stages`` ahead or, except in the one-group kernel
+at the register bound, one chunk further (``late_indices``); the gather is one warp's (below)
+and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16 tiles: two for
+many heads, ``dispatch.variants.head_groups_for``: on sm_120, where an SM holds one CTA, from
+64 16-head blocks with 512 entries; on the H200, two 32-head CTAs per SM held to 128 registers
+as the 16-head ones are, where their grid fills three quarters of those slots) with 8 warps, and warp w owns 64 columns of the QK width
 and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one UE8M0 scale per entry) or
 the 64 rope dims (w = 7). So each gathered byte is turned into an MMA operand by exactly one
 warp, once for QK and once for PV, and a 32-head CTA multiplies each operand register into two
@@ -205,6 +206,19 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   KB): correct, and 1.29-1.37x slower at 64 / 256 tokens x 64 / 128 heads (64 x 128 x 1024
   106.3 -> 140.0 us); (d) SASS only: a ``cp.async.bulk`` per gathered row takes uniform
   operands, so one per lane becomes a 32-pass loop over the lanes: no fewer instructions.
+- Session 15 (2026-12-02, same method, one lease): the 32-head kernel held to 128 registers, two
+  CTAs per SM like the 16-head one (87 KB of shared memory each; sm_90a: 128 registers, loops
+  577 / 633 instructions with 15 / 28 spill loads and stores, against 2 x (7 x 358 + 406) =
+  5824 per 32 heads and chunk for two 16-head CTAs: 7 x 577 + 633 = 4672). Where its grid
+  needs no split and fills the slots: 64 x 128 x all 0.835-0.881x the time (64 x 128 x 1024
+  106.4 -> 88.8 us), 256 x 64 / 128 x all 0.824-0.858x, 128 x 64 x 512 0.861x, 256 x 32 x 1024
+  0.852x. Where it needs a split the 16-head CTAs do not, or leaves a quarter of the slots
+  idle, slower: 64 x 64 x 512 1.144x, 32 x 128 x 512 1.135x, 128 x 32 x 512 1.155x, 8 x 128 x
+  1024 1.085x, 48 x 128 x 512 and 96 x 64 x 512 (192 CTAs on 264 slots) 1.010x / 1.015x; with
+  splits on both sides 16 x 128 x 1024 0.970x, 32 x 64 x 1024 0.977x. Hence the H200 rule in
+  ``dispatch.variants.head_groups_for``. Then the rope warp's QK two n tiles at a time there
+  (``ROPE_QK_TILES_AT_ONCE``; loops 576 / 590, 34 spill instructions, 4622 per 32 heads and
+  chunk): 64 x 128 x all another 0.981-0.993x.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
   rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
   to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
@@ -270,14 +284,19 @@ EARLY_ROW_GROUPS = {1: 1, 2: 4}
 # f16 loops follows the one it accumulates onto): by (head groups, two_ctas_per_sm). All 4 in
 # the one-group kernel without the register bound (one round of loads and chains instead of
 # two: QK phase 123 -> 120 instructions, PV 129 -> 143; measured, session 11); 2 at the
-# 128-register bound (4: 40 more instructions per chunk) and with two groups (8 chains).
-QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 2, (2, False): 2}
+# 128-register bound (4: 40 more instructions per chunk) and with two groups (8 chains), with
+# or without the bound.
+QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 2, (2, False): 2, (2, True): 2}
 # The rope warp takes all 4 at once (its B fragments are the raw bf16 rows, no conversion;
 # still within the 128-register bound, no spills): its QK phase, with the gather the longest
-# of the chunk, then has no NOP between dependent MMAs (measured: session 9 above).
-ROPE_QK_TILES_AT_ONCE = 4
-# Late indices (``late_indices``, set in ``__init__``: true exactly without the register bound,
-# i.e. where not ``two_ctas_per_sm``): whether the rope warp issues the indices of chunk c +
+# of the chunk, then has no NOP between dependent MMAs (measured: session 9 above). But 2 in the
+# two-group kernel at the bound, where 4 needs more registers than it has (sm_90a: rope loop
+# 633 -> 590 instructions, spill loads and stores 63 -> 34 over the kernel; H200, session 15:
+# 64 x 128 x all 0.981-0.993x the time, the 24 shapes of 64 and 256 tokens 0.995x in
+# geometric mean). Keyed as ``QK_TILES_AT_ONCE``.
+ROPE_QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 4, (2, False): 4, (2, True): 2}
+# Late indices (``late_indices``, set in ``__init__``: true except in the one-group kernel held to
+# the register bound, ``two_ctas_per_sm``): whether the rope warp issues the indices of chunk c +
 # stages + 1 with chunk c's late rows (after the softmax, one cp.async group per chunk) instead
 # of those of chunk c + stages right after the chunk-head barrier (the QK phase, its own group).
 # Late in the kernel without the register bound (sm_120a, per chunk between barriers, one group:
@@ -289,7 +308,8 @@ ROPE_QK_TILES_AT_ONCE = 4
 # bound (two CTAs per SM) the rope warp's loop is 400 instructions against the nope warps' 351
 # and its PV phase would become the chunk's longest (184 against 138): 14 of the 15 shapes that
 # run it were slower, by up to 1.7% (64 x 128 x 1024 105.8 -> 107.5), so early there (its SASS
-# is the one before).
+# is the one before). The two-group kernel at the bound (session 15) keeps them late: early, the 24
+# shapes of 64 and 256 tokens were 1.009x slower in geometric mean (64 x 128 x 1024 88.5 -> 89.4).
 
 
 def _smem_scalar(dtype, addr):
@@ -318,7 +338,7 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
         # where the rope warp issues the indices of a later chunk (``late_indices``): with the
         # late rows, stages + 1 chunks ahead (one cp.async group per chunk), or after the
         # chunk-head barrier, stages ahead (their own group, as ``_next_chunk``)
-        self.late_indices = not cfg.two_ctas_per_sm
+        self.late_indices = not (cfg.two_ctas_per_sm and cfg.head_groups == 1)
         self.index_chunks = cfg.stages + int(self.late_indices)
         # with stages + 1 buffers a late issue in chunk c writes chunk c's index buffer (its
         # indices were located at chunk c - stages + 1); the prologue fills one per chunk
@@ -683,8 +703,9 @@ class SparseMlaPartialF16Kernel(SparseMlaPartialKernel):
             valid_rows = ctx.sMask[buf]
             if const_expr(self.early_row_groups > 0):
                 located = self._start_next_chunk(ctx, c, c_end, step, lane)
-            for nb0 in cutlass.range_constexpr(0, 4, ROPE_QK_TILES_AT_ONCE):  # as in the nope role
-                tiles = range(nb0, nb0 + ROPE_QK_TILES_AT_ONCE)
+            at_once = ROPE_QK_TILES_AT_ONCE[mt, self.cfg.two_ctas_per_sm]
+            for nb0 in cutlass.range_constexpr(0, 4, at_once):  # as in the nope role
+                tiles = range(nb0, nb0 + at_once)
                 kb = {nb: [] for nb in tiles}
                 for nb in tiles:
                     for x in cutlass.range_constexpr(2):
