@@ -217,8 +217,8 @@ Measured facts (H200, sm_90a build of this source, 2026-12-01; BENCHMARKS.md has
   1024 1.085x, 48 x 128 x 512 and 96 x 64 x 512 (192 CTAs on 264 slots) 1.010x / 1.015x; with
   splits on both sides 16 x 128 x 1024 0.970x, 32 x 64 x 1024 0.977x. Hence the H200 rule in
   ``dispatch.variants.head_groups_for``. Then the rope warp's QK two n tiles at a time there
-  (``ROPE_QK_TILES_AT_ONCE``; loops 576 / 590, 34 spill instructions, 4622 per 32 heads and
-  chunk): 64 x 128 x all another 0.981-0.993x.
+  (``ROPE_QK_TILES_AT_ONCE``; loops 576 / 590, 34 spill instructions, 15 / 1 of them in the
+  loops, 4622 per 32 heads and chunk): 64 x 128 x all another 0.981-0.993x.
 - Main loop per chunk and thread, sm_120a SASS, 16 heads, split mode, a chunk without the
   rescale pass and the exact softmax step (32-40 more instructions when a max moved): held
   to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
