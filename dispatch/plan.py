@@ -85,7 +85,7 @@ class DecodePlan:
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
         shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision,
-                                     entries=call.topk + call.extra_topk, smem_per_sm=call.smem_per_sm)
+                                     topk=call.topk, extra_topk=call.extra_topk, smem_per_sm=call.smem_per_sm)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
                                  num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
         two_per_sm = two_ctas_per_sm(shape, self.split, call.num_tokens, call.num_heads, call.num_sms,

@@ -74,7 +74,7 @@ def registry_calls(precision: str, arch: str):
                                 page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
                                 has_extra_topk_length=has_extra_len, has_sink=has_sink)
-            cfg = partial_shape_config(shape.num_heads, T, sms, precision, entries=shape.topk + shape.extra_topk,
+            cfg = partial_shape_config(shape.num_heads, T, sms, precision, topk=shape.topk, extra_topk=shape.extra_topk,
                                        smem_per_sm=smem_per_sm)
             plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk, cfg=cfg, num_sms=sms,
                                smem_per_sm=smem_per_sm)

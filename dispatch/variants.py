@@ -27,7 +27,7 @@ from cute_kernels.sparse_mla_decode.config import (
 )
 
 from .metadata import DecodeMetadata
-from .splits import resident_ctas_per_sm, two_bounded_f16_ctas_fit
+from .splits import ctas_per_split, plan_splits, resident_ctas_per_sm, two_bounded_f16_ctas_fit, two_ctas_per_sm
 
 DEFAULT_PRECISION = "f16"
 
@@ -57,12 +57,20 @@ F16_TWO_GROUPS_MIN_BLOCKS = 64
 F16_TWO_GROUPS_MIN_ENTRIES = 512
 # "f16" where an SM holds two CTAs of either head-group count held to 128 registers (the H200):
 # two groups when the 32-head CTAs (tokens x ceil(heads / 32)) fill at least this fraction
-# (numerator, denominator) of the SMs' slots for them, with no split
+# (numerator, denominator) of the SMs' slots for them, with no split ...
 F16_BOUNDED_TWO_GROUPS_MIN_FILL = (3, 4)
+# ... or, with the 32-head grid split and two CTAs per SM: where the 16-head grid splits too,
+# when each 32-head CTA gets at least this many chunks (enough work to pay for its larger merge)
+F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS = 7
+# ... and where the 16-head grid needs no split, when a 16-head CTA's chunks outnumber a 32-head
+# CTA's times this ratio (numerator, denominator: a 32-head chunk costs 1.6 of a 16-head one, two
+# CTAs per SM each) by this many (the 32-head grid's merge and prologue, in 16-head chunks)
+F16_BOUNDED_TWO_GROUPS_CHUNK_COST = (8, 5)
+F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS = 7
 
 
-def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: int, smem_per_sm: int,
-                    precision: str = DEFAULT_PRECISION) -> int:
+def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, topk: int, extra_topk: int = 0,
+                    smem_per_sm: int, precision: str = DEFAULT_PRECISION) -> int:
     """16-head groups per CTA.
 
     16 or fewer heads: one (they do not pay for 32).
@@ -77,9 +85,21 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     0.82-0.88x the time at 64 x 128, 128 x 64 and 256 x 32 / 64 / 128 heads (256 32-head
     CTAs or more); 1.01-1.02x at 48 x 128 and 96 x 64 (192: a quarter of the slots idle);
     1.09-1.16x where the 32-head grid needs a split the 16-head one does not (64 x 64 x 512,
-    32 x 128 x 512, 128 x 32 x 512) or more splits (8 x 128 x 1024); 0.97-0.98x with splits
-    on both sides (16 x 128 x 1024, 32 x 64 x 1024: left to one group). Held to one CTA per
+    32 x 128 x 512, 128 x 32 x 512) or more splits (8 x 128 x 1024). Held to one CTA per
     SM (208 registers, 2026-12-01), 32-head CTAs had been slower there.
+    Where the 32-head grid splits, two CTAs per SM (session 16, BENCHMARKS.md: 29 shapes of
+    4-48 tokens x 64 / 128 heads, each group count at its own split, ``scripts/split_sweep.py
+    --plan-only``): one wave's time is about a fixed part plus the chunks per CTA times 1.44 us
+    (16 heads) or 2.3 us (32 heads), and the 32-head grid's fixed part is the larger (more
+    splits to merge). With splits on both sides, 32-head CTAs from
+    ``F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS`` (7) chunks each: 0.80-0.99x the time at 7-16
+    chunks (12 x 128 x 2048 59.3 -> 47.2 us, 16 x 128 x 1024 36.4 -> 35.2), 1.006x at 8 x 128
+    x 1792 (7); 1.02-1.12x at 4-6 chunks (8 x 128 x 1024 23.7 -> 25.7). Where the 16-head grid
+    needs no split (132-264 CTAs: a wave whose CTAs all have every chunk), 32-head CTAs when
+    8 / 5 of their chunks plus ``F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS`` (7) stay within the
+    16-head CTAs' chunks: 20 x 128 x 2048 101.4 -> 68.0 us, 18 x 128 x 1024 55.4 -> 42.1, 24 x
+    128 x 2048 0.90x; at 32 against 16 chunks 0.98-1.01x (24 x 128, 32 x 128, 64 x 64 x 1024:
+    left to 16 heads), at 16 against 8 1.14x.
     Where an SM holds one 16-head CTA anyway (sm_120: 100 KB of shared memory per SM), two
     groups when the 16-head blocks outnumber the SMs or there are at least
     ``F16_TWO_GROUPS_MIN_BLOCKS`` of them with ``F16_TWO_GROUPS_MIN_ENTRIES`` entries per token:
@@ -98,14 +118,12 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     with 512+ entries, 2-10% slower there with 128 entries and 1-9% slower at 1 token;
     without a split they were the better choice."""
     blocks = num_tokens * -(-num_heads // 16)
+    entries = topk + extra_topk
     if num_heads <= 16:
         return 1
     if precision == "f16":
         if two_bounded_f16_ctas_fit(smem_per_sm):
-            slots = num_sms * resident_ctas_per_sm(
-                PartialConfig(head_groups=2, precision="f16", two_ctas_per_sm=True), smem_per_sm)
-            num, den = F16_BOUNDED_TWO_GROUPS_MIN_FILL
-            return 2 if num_tokens * -(-num_heads // 32) * den >= num * slots else 1
+            return _bounded_f16_head_groups(num_heads, num_tokens, num_sms, topk, extra_topk, smem_per_sm)
         min_blocks, min_entries = F16_TWO_GROUPS_MIN_BLOCKS, F16_TWO_GROUPS_MIN_ENTRIES
     else:
         min_blocks, min_entries = TWO_GROUPS_MIN_BLOCKS, TWO_GROUPS_MIN_ENTRIES
@@ -114,8 +132,28 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, entries: i
     return 1
 
 
+def _bounded_f16_head_groups(num_heads: int, num_tokens: int, num_sms: int, topk: int, extra_topk: int,
+                             smem_per_sm: int) -> int:
+    """``head_groups_for`` where an SM holds two "f16" CTAs of either head-group count (the H200)."""
+    one, two = (PartialConfig(head_groups=g, precision="f16", two_ctas_per_sm=True) for g in (1, 2))
+    slots = num_sms * resident_ctas_per_sm(two, smem_per_sm)
+    num, den = F16_BOUNDED_TWO_GROUPS_MIN_FILL
+    if ctas_per_split(num_tokens, num_heads, two) * den >= num * slots:
+        return 2
+    def plan(cfg):
+        return plan_splits(num_tokens, num_heads, topk, extra_topk, cfg=cfg, num_sms=num_sms, smem_per_sm=smem_per_sm)
+    plan_one, plan_two = plan(one), plan(two)
+    if plan_two.num_splits == 1 or not two_ctas_per_sm(two, plan_two, num_tokens, num_heads, num_sms, smem_per_sm):
+        return 1
+    c1, c2 = plan_one.chunks_per_split, plan_two.chunks_per_split
+    if plan_one.num_splits > 1:
+        return 2 if c2 >= F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS else 1
+    num, den = F16_BOUNDED_TWO_GROUPS_CHUNK_COST
+    return 2 if num * c2 + den * F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS <= den * c1 else 1
+
+
 def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
-                         precision: str = DEFAULT_PRECISION, *, entries: int, smem_per_sm: int,
+                         precision: str = DEFAULT_PRECISION, *, topk: int, extra_topk: int = 0, smem_per_sm: int,
                          head_groups: int | None = None) -> PartialConfig:
     """The partial kernel's shape fields (head groups, block_n, warps) and precision for a
     call on a GPU of ``num_sms`` SMs with ``smem_per_sm`` bytes of shared memory each: what
@@ -124,7 +162,7 @@ def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
     (``two_ctas_per_sm``; the launch then drops that bound where the grid has no more CTAs
     than SMs: ``splits.two_ctas_per_sm``). ``head_groups``: that many instead of
     ``head_groups_for``'s choice (a measurement aid: ``scripts/bench.py --head-groups``)."""
-    groups = head_groups or head_groups_for(num_heads, num_tokens, num_sms, entries=entries,
+    groups = head_groups or head_groups_for(num_heads, num_tokens, num_sms, topk=topk, extra_topk=extra_topk,
                                             smem_per_sm=smem_per_sm, precision=precision)
     return PartialConfig(head_groups=groups, precision=precision,
                          two_ctas_per_sm=precision == "f16")

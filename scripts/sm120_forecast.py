@@ -146,7 +146,7 @@ def model_us(T: int, H: int, shape: str, dev: Device, work: dict,
     """(estimate, issue_us, tensor_us, memory_us) for one shape on ``dev``; ``work`` from
     ``loop_work(precision)``."""
     topk, extra = list_lengths(shape)
-    cfg = partial_shape_config(H, T, dev.num_sms, precision, entries=topk + extra, smem_per_sm=dev.smem_per_sm)
+    cfg = partial_shape_config(H, T, dev.num_sms, precision, topk=topk, extra_topk=extra, smem_per_sm=dev.smem_per_sm)
     split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
     ctas = ctas_per_split(T, H, cfg) * split.num_splits
     chunks_per_sm = math.ceil(ctas / dev.num_sms) * split.chunks_per_split

@@ -1,10 +1,12 @@
 """Time bench shapes with the split count forced, to tune ``dispatch/splits.py`` by measurement.
 
-    python scripts/split_sweep.py [--head-groups 2] [--precision P] [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
+    python scripts/split_sweep.py [--head-groups G] [--precision P] [--plan-only] [SHAPE ...]
+    # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
 
-``--head-groups 2`` also forces 32-head CTAs (for shapes where the dispatch would use 16),
-with the variant-space check off for the run; ``--precision`` times that compute path
-(default: the dispatch's).
+``--head-groups 1`` or ``2`` forces 16-head or 32-head CTAs (where the dispatch would pick the
+other), with the variant-space check off for the run; ``--precision`` times that compute path
+(default: the dispatch's); ``--plan-only`` times only the split count ``plan_splits`` picks
+(to compare head-group counts each at its own plan).
 
 For every shape: the split ``plan_splits`` picks, then the call timed (bench.py's method:
 CUDA-graph replay, ``do_bench`` median with its L2 clear) with the split count forced to
@@ -49,8 +51,12 @@ def split_candidates(num_chunks: int) -> set:
 
 def main(argv=None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
-    groups, precision = None, None
-    while argv[:1] in (["--head-groups"], ["--precision"]):
+    groups, precision, plan_only = None, None, False
+    while argv[:1] in (["--head-groups"], ["--precision"], ["--plan-only"]):
+        if argv[0] == "--plan-only":
+            plan_only = True
+            argv = argv[1:]
+            continue
         if argv[0] == "--head-groups":
             groups = int(argv[1])
             force_partial_config(head_groups=groups)
@@ -69,11 +75,11 @@ def main(argv=None) -> int:
         q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
         call = api.validate_call(q, cache, idx, **kw)
         cfg = partial_shape_config(H, T, props.multi_processor_count, precision or DEFAULT_PRECISION,
-                                   entries=call.topk + call.extra_topk,
+                                   topk=call.topk, extra_topk=call.extra_topk,
                                    smem_per_sm=props.shared_memory_per_multiprocessor, head_groups=groups)
         chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,
                              smem_per_sm=props.shared_memory_per_multiprocessor)
-        candidates = split_candidates(chosen.num_chunks) | {chosen.num_splits}
+        candidates = {chosen.num_splits} if plan_only else split_candidates(chosen.num_chunks) | {chosen.num_splits}
         times = {}
         for s in sorted(candidates):
             plan_mod.plan_splits = forced(s)

@@ -223,7 +223,7 @@ def test_decode_matches_reference(case: Case, precision: str):
     outs = run_twice(case, q, idx, call)
     props = torch.cuda.get_device_properties(device)
     cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision,
-                               entries=case.topk + (case.extra_topk or 0),
+                               topk=case.topk, extra_topk=case.extra_topk or 0,
                                smem_per_sm=props.shared_memory_per_multiprocessor)
     plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, cfg=cfg,
                        num_sms=props.multi_processor_count, smem_per_sm=props.shared_memory_per_multiprocessor)

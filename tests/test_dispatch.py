@@ -41,7 +41,7 @@ def test_shapes_do_not_reach_the_key():
                                                         (0, 8192), (2, 64, 256)):
             md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page,
                                 extra_topk=extra)
-            groups = head_groups_for(H, T, num_sms=188, entries=topk + extra, smem_per_sm=SM120_SMEM_PER_SM,
+            groups = head_groups_for(H, T, num_sms=188, topk=topk, extra_topk=extra, smem_per_sm=SM120_SMEM_PER_SM,
                                      precision=precision)
             keys.setdefault(groups, set()).add((variants_for(md, "sm_120a", 1, groups, precision),
                                                 variants_for(md, "sm_120a", 4, groups, precision)))
@@ -53,35 +53,54 @@ def test_head_groups_follow_heads_and_load():
     def bf16(*args, **kw):
         return head_groups_for(*args, precision="bf16", smem_per_sm=SM120_SMEM_PER_SM, **kw)
 
-    assert bf16(16, 4096, 188, entries=512) == 1  # 16 heads or fewer: one group
-    assert bf16(128, 1, 188, entries=2048) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
-    assert bf16(128, 3, 188, entries=512) == 1  # 24 blocks
-    assert bf16(128, 4, 188, entries=512) == 2  # 32 blocks: each gathered row serves 32 heads
-    assert bf16(128, 4, 188, entries=128) == 1  # ... but not for 128 entries (with splits)
-    assert bf16(64, 8, 132, entries=256) == 2
-    assert bf16(64, 34, 132, entries=64) == 2  # more blocks than SMs: no split, two groups
-    assert bf16(64, 33, 132, entries=64) == 1  # 132 blocks: splits come in, 64 entries
-    assert bf16(17, 200, 188, entries=1) == 2
+    assert bf16(16, 4096, 188, topk=512) == 1  # 16 heads or fewer: one group
+    assert bf16(128, 1, 188, topk=2048) == 1  # 8 blocks of 16 heads: latency-bound, lighter CTAs
+    assert bf16(128, 3, 188, topk=512) == 1  # 24 blocks
+    assert bf16(128, 4, 188, topk=512) == 2  # 32 blocks: each gathered row serves 32 heads
+    assert bf16(128, 4, 188, topk=128) == 1  # ... but not for 128 entries (with splits)
+    assert bf16(64, 8, 132, topk=256) == 2
+    assert bf16(64, 34, 132, topk=64) == 2  # more blocks than SMs: no split, two groups
+    assert bf16(64, 33, 132, topk=64) == 1  # 132 blocks: splits come in, 64 entries
+    assert bf16(17, 200, 188, topk=1) == 2
     # "f16" (the default) where an SM holds two CTAs of either shape (the H200): two groups
-    # where the 32-head CTAs fill three quarters of the 264 slots without a split (measured)
-    def h200(H, T, entries=1024):
-        return head_groups_for(H, T, 132, entries=entries, smem_per_sm=H200_SMEM_PER_SM)
+    # where the 32-head CTAs fill three quarters of the 264 slots without a split, or, split,
+    # get enough chunks each (measured, ``head_groups_for``)
+    def h200(H, T, topk=1024, extra_topk=0):
+        return head_groups_for(H, T, 132, topk=topk, extra_topk=extra_topk, smem_per_sm=H200_SMEM_PER_SM)
 
-    for H, T in ((16, 4096), (128, 4), (128, 8), (64, 34), (64, 64), (128, 32), (128, 48), (64, 98), (32, 197)):
+    for H, T in ((16, 4096), (128, 4), (128, 8), (64, 64), (128, 32), (128, 48), (64, 98), (32, 197)):
         assert h200(H, T) == 1, (H, T)
     for H, T in ((128, 64), (128, 256), (64, 99), (64, 128), (32, 198), (17, 200), (128, 50)):
         assert h200(H, T) == 2, (H, T)
-    assert h200(128, 64, entries=1) == 2  # the rule does not look at the entries
+    assert h200(128, 64, topk=1) == 2  # without a split the rule does not look at the entries
+    # both grids split: 32-head CTAs from 7 chunks each (16 x 128 x 1024: 2 splits of 16
+    # chunks against 4 of 8; 12 x 128 x 1024: 2 of 16 against 5 of 7) ...
+    for H, T, topk, extra in ((128, 16, 1024, 0), (64, 32, 1024, 0), (128, 12, 1024, 0), (128, 8, 2048, 0),
+                              (128, 16, 128, 1024)):
+        assert h200(H, T, topk, extra) == 2, (H, T, topk, extra)
+    # ... not below (8 x 128 x 1024: 8 splits of 4; 12 x 64 x 2048: 11 of 6; 16 x 128 x 128+512: 4 of 5)
+    for H, T, topk, extra in ((128, 8, 1024, 0), (64, 12, 2048, 0), (128, 16, 128, 512), (128, 16, 512, 0),
+                              (128, 4, 2048, 0)):
+        assert h200(H, T, topk, extra) == 1, (H, T, topk, extra)
+    # the 16-head grid without a split: 32-head CTAs where 8 / 5 of their chunks + 7 <= the
+    # 16-head CTAs' (18 x 128 x 1024: 3 splits of 11 against 32 chunks; 24 x 128 x 2048: 2 of 32
+    # against 64) ...
+    for H, T, topk in ((128, 18, 1024), (128, 20, 2048), (64, 40, 1024), (64, 34, 1024), (128, 24, 2048),
+                       (64, 36, 2048)):
+        assert h200(H, T, topk) == 2, (H, T, topk)
+    # ... not at 16 against 32 (24 x 128 x 1024, 64 x 64 x 1024) or 8 against 16 (64 x 64 x 512)
+    for H, T, topk in ((128, 24, 1024), (64, 64, 1024), (64, 64, 512), (128, 32, 1024)):
+        assert h200(H, T, topk) == 1, (H, T, topk)
 
     # ... and where it holds one (sm_120): 32-head CTAs for many heads (measured at that occupancy)
     def f16(*args, **kw):
         return head_groups_for(*args, smem_per_sm=SM120_SMEM_PER_SM, **kw)
 
-    assert f16(16, 4096, 188, entries=1024) == 1  # 16 heads: one group
-    assert f16(64, 64, 188, entries=128) == 2  # 256 blocks > 188 SMs
-    assert f16(128, 8, 188, entries=512) == 2  # 64 blocks, 512 entries
-    assert f16(128, 8, 188, entries=128) == 1  # ... but not 128 entries
-    assert f16(64, 8, 188, entries=1024) == 1  # 32 blocks
+    assert f16(16, 4096, 188, topk=1024) == 1  # 16 heads: one group
+    assert f16(64, 64, 188, topk=128) == 2  # 256 blocks > 188 SMs
+    assert f16(128, 8, 188, topk=512) == 2  # 64 blocks, 512 entries
+    assert f16(128, 8, 188, topk=128) == 1  # ... but not 128 entries
+    assert f16(64, 8, 188, topk=1024) == 1  # 32 blocks
 
 
 
@@ -108,7 +127,7 @@ def _another(value):
                                             (7, 1, 1, 0), (64, 64, 512, 512), (4096, 8, 100, 33),
                                             (1, 8, 8192, 8192)])
 def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
-    cfg = partial_shape_config(H, T, 188, entries=topk + extra, smem_per_sm=SM120_SMEM_PER_SM)
+    cfg = partial_shape_config(H, T, 188, topk=topk, extra_topk=extra, smem_per_sm=SM120_SMEM_PER_SM)
     plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=188, smem_per_sm=SM120_SMEM_PER_SM)
     assert plan.num_chunks == math.ceil(topk / 32) + math.ceil(extra / 32)
     assert 1 <= plan.num_splits <= MAX_SPLITS  # the merge kernel has one thread per split
@@ -134,7 +153,7 @@ def test_split_plans_follow_the_h200_measurements():
         (64, 64, 1024, 0): (32, 1),
     }
     for (T, H, topk, extra), want in expected.items():
-        cfg = partial_shape_config(H, T, 132, entries=topk + extra, smem_per_sm=H200_SMEM_PER_SM)
+        cfg = partial_shape_config(H, T, 132, topk=topk, extra_topk=extra, smem_per_sm=H200_SMEM_PER_SM)
         plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=132, smem_per_sm=H200_SMEM_PER_SM)
         assert (plan.chunks_per_split, plan.num_splits) == want, (T, H, topk, extra, plan)
 
@@ -147,7 +166,7 @@ def test_register_bound_only_where_two_ctas_share_an_sm(T, H, topk, extra):
     has more CTAs than the H200 has SMs (two then share one); never on sm_120 (one CTA per SM)."""
     md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=64, extra_topk=extra)
     for sms, smem, arch in ((132, H200_SMEM_PER_SM, "sm_90a"), (188, SM120_SMEM_PER_SM, "sm_120a")):
-        cfg = partial_shape_config(H, T, sms, entries=topk + extra, smem_per_sm=smem)
+        cfg = partial_shape_config(H, T, sms, topk=topk, extra_topk=extra, smem_per_sm=smem)
         plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=sms, smem_per_sm=smem)
         two = two_ctas_per_sm(cfg, plan, T, H, sms, smem)
         ctas = T * math.ceil(H / cfg.heads_per_cta) * plan.num_splits

@@ -7,7 +7,8 @@ at the register bound, one chunk further (``late_indices``); the gather is one w
 and the compute differs. The CTA covers 16 or 32 heads (``head_groups`` m16 tiles: two for
 many heads, ``dispatch.variants.head_groups_for``: on sm_120, where an SM holds one CTA, from
 64 16-head blocks with 512 entries; on the H200, two 32-head CTAs per SM held to 128 registers
-as the 16-head ones are, where their grid fills three quarters of those slots) with 8 warps,
+as the 16-head ones are, where their grid fills three quarters of those slots or their
+splits leave each enough chunks) with 8 warps,
 and warp w owns 64 columns of the QK width and of the output FOR EVERY HEAD of the CTA: nope
 tile w (w < 7, one UE8M0 scale per entry) or the 64 rope dims (w = 7). So each gathered byte
 is turned into an MMA operand by exactly one warp, once for QK and once for PV, and a 32-head
