@@ -140,6 +140,7 @@ def _bounded_f16_head_groups(num_heads: int, num_tokens: int, num_sms: int, topk
     num, den = F16_BOUNDED_TWO_GROUPS_MIN_FILL
     if ctas_per_split(num_tokens, num_heads, two) * den >= num * slots:
         return 2
+
     def plan(cfg):
         return plan_splits(num_tokens, num_heads, topk, extra_topk, cfg=cfg, num_sms=num_sms, smem_per_sm=smem_per_sm)
     plan_one, plan_two = plan(one), plan(two)
