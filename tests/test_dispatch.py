@@ -88,7 +88,7 @@ def test_head_groups_follow_heads_and_load():
     for H, T, topk in ((128, 18, 1024), (128, 20, 2048), (64, 40, 1024), (64, 34, 1024), (128, 24, 2048),
                        (64, 36, 2048)):
         assert h200(H, T, topk) == 2, (H, T, topk)
-    # ... not at 16 against 32 (24 x 128 x 1024, 64 x 64 x 1024) or 8 against 16 (64 x 64 x 512)
+    # ... not at 16 against 32 (24 x 128, 64 x 64, 32 x 128 x 1024) or 8 against 16 (64 x 64 x 512)
     for H, T, topk in ((128, 24, 1024), (64, 64, 1024), (64, 64, 512), (128, 32, 1024)):
         assert h200(H, T, topk) == 1, (H, T, topk)
 
