@@ -100,6 +100,7 @@ class LoopMix:
     # order, fewer than ``CHAIN_WINDOW`` instructions back: each waits for that one's whole
     # latency (two or more interleaved chains hide it)
     chained_mma: int = 0
+    opcodes: dict = field(default_factory=dict)  # opcode without modifiers (LDSM, F2FP, HMMA, ...) -> count
 
 
 _SHARED_MEMORY_OPS = ("LDS", "STS", "LDSM", "LDGSTS")
@@ -168,6 +169,7 @@ def _mix(body, start: int, end: int, inner=()) -> LoopMix:
         shared_memory=sum(1 for o in ops if o.split(".")[0] in _SHARED_MEMORY_OPS),
         barriers=sum(1 for o in ops if o.startswith("BAR.")),
         mma_kinds=dict(collections.Counter(o for o in ops if re.match(r"[A-Z]*MMA\b|[A-Z]*MMA\.", o))),
+        opcodes=dict(collections.Counter(o.split(".")[0] for o in ops)),
     )
 
 

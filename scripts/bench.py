@@ -17,7 +17,10 @@ run (a 4 GiB device-to-device copy, bytes read + written). "%mma" is the call's 
 (``tensor_flops``: QK over 512 dims and PV over 512 columns per head and entry) per second
 against the GPU's ``mma.sync`` f16 rate, also measured in the same run
 (``scripts/mma_ceiling.py``): what bounds the many-head shapes is the MMAs and the
-instructions around them, not the gather.
+instructions around them, not the gather. The header line and the JSON (``conv_tflops``)
+also give that rate with the "f16" kernel's operand work (e4m3 bytes converted in registers,
+each used by 16 or 32 heads: ``converted_ceiling_tflops``), the most any kernel of that
+design can reach; ``scripts/bench_targets.py`` checks a JSON against the performance targets.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, TOKEN_BYTES  # noqa: E402
 from cute_kernels.sparse_mla_decode.reference import reference_decode  # noqa: E402
 from dispatch import sparse_mla_decode  # noqa: E402
-from scripts.mma_ceiling import mma_ceiling_tflops  # noqa: E402
+from scripts.mma_ceiling import HEAD_GROUPS, converted_ceiling_tflops, mma_ceiling_tflops  # noqa: E402
 from tests.dsv4_inputs import make_cache  # noqa: E402
 
 NUM_BLOCKS, PAGE = 4096, 64
@@ -152,8 +155,10 @@ def main(argv=None) -> int:
               make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
     ceiling = copy_ceiling_gbs()
     mma_tflops = mma_ceiling_tflops()
+    conv_tflops = {16 * g: converted_ceiling_tflops(g) for g in HEAD_GROUPS}  # heads per operand -> TFLOP/s
     print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "
-          f"mma.sync f16 ceiling {mma_tflops:.0f} TFLOP/s", flush=True)
+          f"mma.sync f16 ceiling {mma_tflops:.0f} TFLOP/s; with e4m3 operands converted in registers "
+          + ", ".join(f"{r:.0f} ({h} heads each)" for h, r in conv_tflops.items()), flush=True)
     tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else None
     grid = [row for row in GRID if (not args.quick or row[0] in QUICK_TOKENS) and (tokens is None or row[0] in tokens)]
     rows = []
@@ -184,7 +189,8 @@ def main(argv=None) -> int:
               + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:]))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=ceiling,
-                                                   mma_tflops=mma_tflops, rows=rows), indent=1))
+                                                   mma_tflops=mma_tflops, conv_tflops=conv_tflops, rows=rows),
+                                              indent=1))
     return 0
 
 
