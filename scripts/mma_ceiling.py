@@ -134,12 +134,15 @@ def converted_mma_loop_kernel(out: cute.Tensor, iters: Int32, m_tiles: cutlass.C
             for nb in cutlass.range_constexpr(4):
                 for c in cutlass.range_constexpr(4):
                     acc_s[(m * 4 + nb) * 4 + c] = d[nb][c]
+        # PV as partial_f16._nope_pv issues it, but with each chain's two k16 steps interleaved
+        # with the other chains': in a loop of its own, _nope_pv's order leaves 8 MMAs (16 heads)
+        # waiting on the one just before (sm_120a), which the kernel's other work hides there
         for blk in cutlass.range_constexpr(4):
             vfrag = ldsm_x4(v_row + 16 * blk, trans=True)
             bv = [e4m3x4_to_f16x2(vfrag[k], PAIR_COLUMNS) for k in range(4)]  # [even column, odd column]
             chains = [(parity, m) for parity in range(2) for m in range(m_tiles)]
             d = {pm: [acc_o[(((pm[1] * 4 + blk) * 2 + pm[0]) * 4) + c] for c in range(4)] for pm in chains}
-            for s in cutlass.range_constexpr(2):  # the chains' two k16 steps interleaved: no MMA waits on the one before
+            for s in cutlass.range_constexpr(2):
                 for parity, m in chains:
                     d[parity, m] = mma_f16(d[parity, m], pa[4 * s:4 * s + 4],
                                            [bv[2 * s][parity], bv[2 * s + 1][parity]])
