@@ -2,7 +2,10 @@
 the MMA the default ("f16") kernel issues (sm_80+; SM120 has no other 16-bit tensor path),
 alone and fed the way that kernel feeds it.
 
-    python scripts/mma_ceiling.py    # prints both, TFLOP/s (needs a CUDA GPU)
+    python scripts/mma_ceiling.py [--heads 16 32 64]    # prints both, TFLOP/s (needs a CUDA GPU)
+
+``--heads``: the heads each converted fragment is used by (multiples of 16; default 16 and
+32, the kernel's head groups; 64 bounds a design no register budget allows).
 
 ``scripts/bench.py`` measures them in the same run as the decode calls and reports each
 shape's tensor work against the first ("%mma"), next to the copy ceiling: the many-head
@@ -206,11 +209,19 @@ def converted_ceiling_tflops(m_tiles: int) -> float:
     return max(converted_tflops(m_tiles, min_ctas) for min_ctas in CONVERTED_MIN_CTAS)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
     import torch
 
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, nargs="+", default=[16 * g for g in HEAD_GROUPS],
+                    help="heads per converted fragment, multiples of 16 (default: the kernel's head groups)")
+    args = ap.parse_args(argv)
+    if any(h <= 0 or h % 16 for h in args.heads):
+        ap.error(f"--heads takes multiples of 16, got {args.heads}")
     print(f"{torch.cuda.get_device_name()}: mma.sync m16n8k16 f16 -> f32 {mma_ceiling_tflops():.0f} TFLOP/s")
-    for m_tiles in HEAD_GROUPS:
+    for m_tiles in (h // 16 for h in args.heads):
         rates = {min_ctas: converted_tflops(m_tiles, min_ctas) for min_ctas in CONVERTED_MIN_CTAS}
         print(f"  with e4m3 operands converted in registers, each used by {16 * m_tiles} heads: "
               f"{max(rates.values()):.0f} TFLOP/s ("
