@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.config import (
-    BLOCK_SCALED_ARCHS, MERGE_BATCHES, PRECISIONS, MergeConfig, PartialConfig, merge_batch_for,
+    BLOCK_SCALED_ARCHS, HEAD_GROUPS, MERGE_BATCHES, PRECISIONS, MergeConfig, PartialConfig, merge_batch_for,
 )
 
 from .metadata import DecodeMetadata
@@ -135,7 +135,7 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, topk: int,
 def _bounded_f16_head_groups(num_heads: int, num_tokens: int, num_sms: int, topk: int, extra_topk: int,
                              smem_per_sm: int) -> int:
     """``head_groups_for`` where an SM holds two "f16" CTAs of either head-group count (the H200)."""
-    one, two = (PartialConfig(head_groups=g, precision="f16", two_ctas_per_sm=True) for g in (1, 2))
+    one, two = (PartialConfig(head_groups=g, precision="f16", two_ctas_per_sm=True) for g in HEAD_GROUPS)
     slots = num_sms * resident_ctas_per_sm(two, smem_per_sm)
     num, den = F16_BOUNDED_TWO_GROUPS_MIN_FILL
     if ctas_per_split(num_tokens, num_heads, two) * den >= num * slots:
@@ -224,7 +224,7 @@ def variant_space(arch: str) -> list[KernelVariant]:
     out = [
         KernelVariant(PartialConfig(head_groups=g, has_topk_length=a, has_extra_topk_length=b, final_output=f,
                                     has_sink=s, precision=p, two_ctas_per_sm=two), arch)
-        for p, g, a, b, (f, s), two in itertools.product(precisions_for(arch), (1, 2), (False, True), (False, True),
+        for p, g, a, b, (f, s), two in itertools.product(precisions_for(arch), HEAD_GROUPS, (False, True), (False, True),
                                                          _MODES, (False, True))
         if not two or (p == "f16" and two_fit)
     ]

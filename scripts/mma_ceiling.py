@@ -45,7 +45,7 @@ from cutlass import Float32, Int32
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cute_kernels.sparse_mla_decode.config import RAW_ROW_STRIDE  # noqa: E402
+from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, RAW_ROW_STRIDE  # noqa: E402
 from cute_kernels.sparse_mla_decode.partial_f16 import PAIR_COLUMNS, UNIT  # noqa: E402
 from cute_kernels.sparse_mla_decode.warp_ops import e4m3x4_to_f16x2, ldsm_x4, mma_f16  # noqa: E402
 
@@ -67,7 +67,6 @@ MMAS_PER_ROUND = 32  # per warp and m tile: 16 QK + 16 PV
 # ptxas's free choice (32 heads: 165 registers, one 8-warp CTA per SM) and held to 128
 # registers (two per SM, as the "f16" kernel runs on the H200; 32 heads: spills)
 CONVERTED_MIN_CTAS = (1, 2)
-HEAD_GROUPS = (1, 2)  # the "f16" kernel's m16 tiles per CTA (16 or 32 heads)
 
 
 @cute.kernel

@@ -17,6 +17,7 @@ SMEM_LIMIT_BYTES = 101376  # 99 KB: the most an SM120 CTA may use
 # straight from them) is then free of bank conflicts; 576 would put rows 2 apart on the same banks.
 RAW_ROW_STRIDE = 592
 PRECISIONS = ("bf16", "f16", "fp8", "mxf8")
+HEAD_GROUPS = (1, 2)  # 16-head groups one partial-kernel CTA can cover (PartialConfig.head_groups)
 BLOCK_SCALED_ARCHS = ("sm_120a", "sm_121a")  # the archs with the block-scaled MMA ("mxf8")
 FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 4 for the rope dims)
 MAX_REGISTERS_PER_THREAD = 255
@@ -155,7 +156,7 @@ class PartialConfig:
             raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.heads_per_group != 16:
             raise ValueError("heads_per_group must be 16 (one m16 MMA tile)")
-        if self.head_groups not in (1, 2) or self.heads_per_cta > self.block_n:
+        if self.head_groups not in HEAD_GROUPS or self.heads_per_cta > self.block_n:
             raise ValueError(f"head_groups {self.head_groups} must be 1 or 2 (Q is staged in the {self.block_n}-row KV tile)")
         if self.block_n != 32:
             raise ValueError(f"block_n {self.block_n} must be 32 (one validity bit per lane of a warp)")
