@@ -1,7 +1,7 @@
-"""Read a compiled cubin: registers, shared memory, local memory (spills) and the SASS mix.
+"""Read a compiled kernel: registers, shared memory, local memory (spills) and the SASS mix.
 
 Uses ``cuobjdump`` and ``nvdisasm`` from the ``nvidia-cuda-cuobjdump`` and
-``nvidia-cuda-nvdisasm`` wheels (or from PATH). No GPU needed.
+``nvidia-cuda-nvdisasm`` wheels (the package's ``[aot]`` extra) or from PATH. No GPU needed.
 """
 
 from __future__ import annotations
@@ -14,9 +14,21 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-# Instructions that must not appear in an SM120 kernel: Hopper-only warpgroup MMA and
-# Blackwell datacenter tensor-memory MMA (SM120 has neither).
-FORBIDDEN_ON_SM120 = ("HGMMA", "QGMMA", "IGMMA", "BGMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA")
+from .arch import FORBIDDEN_ON_SM120
+
+SASS_TOOLS = ("cuobjdump", "nvdisasm")
+INSTALL_SASS_TOOLS = "python -m pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump"
+
+
+class MissingSassTool(RuntimeError):
+    """cuobjdump or nvdisasm is not installed."""
+
+
+def require_sass_tools() -> None:
+    """Raise ``MissingSassTool``, naming the command that installs them, unless both SASS
+    tools are found (call it before compiling anything that will be checked)."""
+    for name in SASS_TOOLS:
+        _tool(name)
 
 
 def _tool(name: str) -> str:
@@ -32,7 +44,7 @@ def _tool(name: str) -> str:
         pass
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"{name} not found: pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump")
+        raise MissingSassTool(f"{name} not found (it reads the compiled kernels' SASS): {INSTALL_SASS_TOOLS}")
     return found
 
 
@@ -203,6 +215,25 @@ def mma_loop_mix(sass: str) -> LoopMix:
         raise ValueError("no loop holds every MMA instruction")
     _, start, end = min(loops)
     return _mix(body, start, end)
+
+
+_LAUNCH_CONFIG = r"!llvm.struct<\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\)>"
+
+
+def launch_smem_bytes(host_ir: str) -> int:
+    """The dynamic shared memory a compiled DSL kernel is launched with, from its host code
+    (``str(compiled.ir_module)``): the constant stored into the launch configuration's
+    shared-memory field, which the DSL's allocator sized from the kernel's allocations."""
+    found = set()
+    fields = re.findall(r"(%\d+) = llvm.getelementptr %\d+\[0, 2\] : \(!llvm.ptr\) -> !llvm.ptr, " + _LAUNCH_CONFIG,
+                        host_ir)
+    for field in fields:
+        for stored in re.findall(r"llvm.store (%\d+), " + field + r" : i64, !llvm.ptr", host_ir):
+            found.update(int(v) for v in re.findall(re.escape(stored) + r" = llvm.mlir.constant\((\d+) : i64\)",
+                                                    host_ir))
+    if len(found) != 1:
+        raise ValueError(f"expected one launch shared-memory size in the host code, found {sorted(found)}")
+    return found.pop()
 
 
 def disassemble(cubin: bytes) -> str:

@@ -1,7 +1,18 @@
-"""Dispatch: DSV4 decode metadata -> compiled kernel variant -> launch. The public API lives here."""
+"""Dispatch: DSV4 decode metadata -> compiled kernel variant -> launch. The public API lives here.
+
+- ``sparse_mla_decode``: one call, validated in full (the torch custom op
+  ``torch.ops.dsv4_mla.sparse_mla_decode`` calls it);
+- ``plan_sparse_mla_decode``: validate once, then ``plan.run`` / ``plan.bind(...).run()`` on
+  every step (allocation-free, CUDA-graph safe);
+- ``InvalidDecodeInput``: every refusal, before any GPU work;
+- ``dispatch.adapters``: FlashMLA's and FlashInfer's call shapes; ``dispatch.lse``: the lse
+  conventions; ``dispatch.loader``: AOT manifests, the JIT disk cache, no-JIT mode.
+"""
 
 from .api import plan_sparse_mla_decode, sparse_mla_decode, validate_call
 from .metadata import DecodeMetadata, InvalidDecodeInput
+from .plan import PlanOverrides
 from . import torch_ops  # noqa: F401  (registers torch.ops.dsv4_mla.sparse_mla_decode)
 
-__all__ = ["sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata", "InvalidDecodeInput"]
+__all__ = ["sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata", "InvalidDecodeInput",
+           "PlanOverrides"]

@@ -1,11 +1,7 @@
 """Drop-in call shapes of other libraries, each a thin layer over ``sparse_mla_decode``.
 
-Every adapter states its log-sum-exp convention as an explicit argument:
-
-- ``"natural"``: ln(sum_j exp(s_j)) with the sink NOT folded in (FlashMLA's, and this
-  library's); +inf for a token with no valid entry.
-- ``"log2_with_sink"``: log2(sum_j exp(s_j) + exp(sink_h)) (FlashInfer's DSV4 decode);
-  for a token with no valid entry that is sink_h * log2(e), or -inf without a sink.
+Every adapter states its log-sum-exp convention as an explicit ``lse_convention`` argument
+(``dispatch.lse``: "natural", FlashMLA's and this library's; "log2_with_sink", FlashInfer's).
 """
 
 from __future__ import annotations
@@ -15,22 +11,8 @@ import math
 import torch
 
 from .api import sparse_mla_decode
+from .lse import convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
-
-LSE_CONVENTIONS = ("natural", "log2_with_sink")
-_LOG2_E = math.log2(math.e)
-
-
-def convert_lse(lse: torch.Tensor, attn_sink: torch.Tensor | None, convention: str) -> torch.Tensor:
-    """Convert this library's lse (natural, sink not folded, +inf when empty) to ``convention``."""
-    if convention == "natural":
-        return lse
-    if convention != "log2_with_sink":
-        raise ValueError(f"lse convention {convention!r} is not one of {LSE_CONVENTIONS}")
-    total = torch.where(torch.isposinf(lse), torch.full_like(lse, -math.inf), lse)  # empty: ln(0) = -inf
-    if attn_sink is not None:
-        total = torch.logaddexp(total, attn_sink.float().expand_as(total))
-    return total * _LOG2_E
 
 
 def _refuse(problem: str, q) -> None:

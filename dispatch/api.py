@@ -1,4 +1,5 @@
-"""Public API: ``sparse_mla_decode``, DeepSeek-V4 sparse MLA decode on the FP8 cache."""
+"""Public API: ``sparse_mla_decode`` and ``plan_sparse_mla_decode``, DeepSeek-V4 sparse MLA
+decode on the FP8 cache, and the validation every call goes through."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
 from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, read_cache_view
-from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
+from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, DEFAULT_SM_SCALE
 
+from .lse import LSE_CONVENTIONS, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
 from .variants import PRECISIONS, resolve_precision
 
@@ -238,7 +240,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
     # scalars and outputs
     if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D_QK)
+        sm_scale = DEFAULT_SM_SCALE
     if isinstance(sm_scale, (torch.Tensor, bool)) or not isinstance(sm_scale, (int, float)) or \
             not math.isfinite(sm_scale):
         check.fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
@@ -298,19 +300,27 @@ _MAX_PLANS = 256
 
 
 def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
-                           extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None):
+                           extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
+                           overrides=None):
     """Validate one call's inputs and return a ``DecodePlan`` for tensors laid out like them.
 
     Hold the plan for a shape bucket and call ``plan.run(q, kv_cache, indices, ..., out=,
     lse=, scratch=)`` on every step: it allocates nothing and can be captured in a CUDA
-    graph. ``plan.scratch_bytes`` says how much scratch ``run`` needs (``plan.new_scratch()``).
+    graph. ``plan.scratch_bytes`` says how much scratch ``run`` needs (``plan.new_scratch()``);
+    ``plan.bind(...)`` fixes the tensors too, for the fastest ``bound.run()``.
+    ``overrides``: a ``dispatch.PlanOverrides`` forcing the head groups, splits, stages or
+    register bound (a measurement and testing aid). Arguments and errors as
+    ``sparse_mla_decode``.
     """
     from .plan import DecodePlan
 
     call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                          extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision)
-    return DecodePlan(call)
+    try:
+        return DecodePlan(call, overrides)
+    except ValueError as err:  # an override no kernel has
+        raise InvalidDecodeInput(call.launch_metadata, str(err)) from None
 
 
 def sparse_mla_decode(
@@ -346,10 +356,11 @@ def sparse_mla_decode(
             cache with its own page size and list; main and extra entries form ONE softmax.
         out, lse: optional outputs, written in place.
         lse_convention: ``"natural"`` (the default, below) or ``"log2_with_sink"``
-            (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's; see ``dispatch.adapters``).
-        precision: ``"bf16"`` (values dequantized to bf16, bf16 MMAs), ``"fp8"`` (e4m3 MMAs
-            on the cache bytes, about 1-2% output error: README "Precision"), or None for
-            the dispatch's default on the device.
+            (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's; ``dispatch.lse``).
+        precision: the compute path: None (the default: ``"f16"``, the cache values exact
+            in f16 registers), ``"bf16"`` (dequantized to a bf16 tile), ``"fp8"`` (e4m3 MMAs
+            on the cache bytes, about 1-2% output error) or ``"mxf8"`` (``"fp8"`` with SM120's
+            block-scaled MMA; sm_120a / sm_121a only). ``docs/design.md``, "Precision".
 
     Returns:
         ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``, ``lse`` float32 ``[T, H]`` (leading dims
@@ -366,10 +377,10 @@ def sparse_mla_decode(
     """
     from .plan import DecodePlan
 
-    if lse_convention not in ("natural", "log2_with_sink"):
+    if lse_convention not in LSE_CONVENTIONS:
         raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
                                                 extra_topk_length, attn_sink),
-                                 f"lse_convention must be 'natural' or 'log2_with_sink', got {lse_convention!r}")
+                                 f"lse_convention must be one of {LSE_CONVENTIONS}, got {lse_convention!r}")
     call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                          extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision)
@@ -385,7 +396,5 @@ def sparse_mla_decode(
     plan.launch(call.pointers(), call.sm_scale, 0 if scratch is None else scratch.data_ptr())
     out, lse = call.out, call.lse
     if lse_convention != "natural":
-        from .adapters import convert_lse
-
         lse.copy_(convert_lse(lse, attn_sink, lse_convention))
     return out, lse

@@ -20,7 +20,7 @@ FIELDS = ("name", "arch", "dsl_version", "dsl_libs", "project_version", "source_
 
 _ROOT = Path(__file__).resolve().parents[1]
 # Every file whose content can change a generated binary.
-_SOURCES = ("cute_kernels/arch.py", "cute_kernels/sparse_mla_decode", "dispatch/loader.py", "dispatch/variants.py")
+_SOURCES = ("cute_kernels", "dispatch/loader.py", "dispatch/variants.py")
 
 
 @functools.lru_cache(maxsize=None)

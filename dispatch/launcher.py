@@ -15,27 +15,9 @@ from __future__ import annotations
 import ctypes
 
 import cuda.bindings.driver as cuda
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.runtime import make_ptr
-
-
-def argument_kinds(fake_args: list) -> list:
-    """The kind of each kernel argument, from the stand-ins the kernel was compiled with."""
-    from cutlass.cute.runtime import _Pointer
-
-    kinds = []
-    for a in fake_args:
-        if isinstance(a, _Pointer):
-            kinds.append(("ptr", a.dtype, a._assumed_align, a.memspace))
-        elif isinstance(a, Int32):
-            kinds.append(("i32",))
-        elif isinstance(a, Int64):
-            kinds.append(("i64",))
-        elif isinstance(a, Float32):
-            kinds.append(("f32",))
-        else:  # the stream (a fake stream at compile time)
-            kinds.append(("stream",))
-    return kinds
 
 
 _CTYPE = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
@@ -44,7 +26,7 @@ _CTYPE = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, 
 
 def _generic_arg(kind, value):
     if kind[0] == "ptr":
-        return make_ptr(kind[1], value, kind[3], assumed_align=kind[2])
+        return make_ptr(kind[1], value, cute.AddressSpace.gmem, assumed_align=kind[2])
     if kind[0] == "i32":
         return Int32(value)
     if kind[0] == "i64":
@@ -55,7 +37,8 @@ def _generic_arg(kind, value):
 
 
 class BoundKernel:
-    """One compiled kernel on one device, with persistent packed arguments."""
+    """One compiled kernel on one device, with persistent packed arguments. ``kinds``: per
+    argument, as ``cute_kernels.sparse_mla_decode.kernel_args.argument_kinds`` gives them."""
 
     def __init__(self, compiled, kinds: list, example_values: list, device_index: int):
         if len(kinds) != len(example_values):

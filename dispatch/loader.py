@@ -1,7 +1,7 @@
 """Get the compiled callable of a variant: memory -> AOT manifest -> JIT disk cache -> JIT compile.
 
 - AOT: the first manifest found among ``set_aot_dir(path)``, ``$DSV4_MLA_AOT_DIR`` and the
-  package's own ``dispatch/aot_data/`` (written by ``scripts/aot_build.py``). An entry is
+  package's own ``dispatch/aot_data/`` (written by ``dsv4-mla-aot-build``, ``dispatch.aot_build``). An entry is
   loaded only if its fingerprint (arch, DSL version and libs, project version, kernel
   source hash) matches this process and its object file's sha256 matches the manifest;
   otherwise the reason is logged once and the variant is compiled instead.
@@ -81,23 +81,19 @@ def _report_once(message: str) -> None:
 
 
 # ---------------------------------------------------------------------- compile and export
+# The kernel class of each compute path ("module:class" under cute_kernels.sparse_mla_decode)
+PARTIAL_KERNELS = {"f16": "partial_f16:PartialF16Kernel", "bf16": "partial_bf16:PartialBf16Kernel",
+                   "fp8": "partial_fp8:PartialFp8Kernel", "mxf8": "partial_fp8:PartialFp8Kernel"}
+MERGE_KERNEL = "merge:MergeKernel"
+
+
 def build_kernel(variant: KernelVariant):
     """The kernel object (a ``cute.jit`` callable) of a variant."""
-    if variant.kind == "partial":
-        if variant.config.precision == "f16":
-            from cute_kernels.sparse_mla_decode.partial_f16 import SparseMlaPartialF16Kernel
+    import importlib
 
-            return SparseMlaPartialF16Kernel(variant.config)
-        if variant.config.precision != "bf16":  # "fp8" and "mxf8"
-            from cute_kernels.sparse_mla_decode.partial_fp8 import SparseMlaPartialFp8Kernel
-
-            return SparseMlaPartialFp8Kernel(variant.config)
-        from cute_kernels.sparse_mla_decode.partial import SparseMlaPartialKernel
-
-        return SparseMlaPartialKernel(variant.config)
-    from cute_kernels.sparse_mla_decode.merge import SparseMlaMergeKernel
-
-    return SparseMlaMergeKernel(variant.config)
+    where = PARTIAL_KERNELS[variant.config.precision] if variant.kind == "partial" else MERGE_KERNEL
+    module, cls = where.split(":")
+    return getattr(importlib.import_module(f"cute_kernels.sparse_mla_decode.{module}"), cls)(variant.config)
 
 
 def compile_variant(variant: KernelVariant, keep_cubin: bool = False):
@@ -253,7 +249,7 @@ def _obtain(variant: KernelVariant):
             f"dsv4_mla: kernel variant {variant.name} is not in any valid AOT manifest "
             f"(searched: {', '.join(str(d) for d in aot_dirs())}) and compiling at serve time is off "
             f"(DSV4_MLA_REQUIRE_AOT / set_require_aot). Build it with: "
-            f"python scripts/aot_build.py --arch {variant.arch} --out <dir>, then set DSV4_MLA_AOT_DIR=<dir>"
+            f"dsv4-mla-aot-build --arch {variant.arch} --out <dir>, then set DSV4_MLA_AOT_DIR=<dir>"
         )
     entry_dir = jit_cache_dir() / fingerprint_id(fingerprint(variant))
     fn = _load_from_disk(variant, entry_dir)

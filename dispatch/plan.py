@@ -11,28 +11,28 @@ captured: give the padding tokens ``topk_length`` 0) recomputes the result.
 
 ``plan.bind(...)`` goes one step further for persistent input buffers: it checks the
 tensors once and returns a ``BoundDecode`` whose ``run()`` only launches (measured host
-overhead in README "In a serving engine").
+overhead: ``docs/performance.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
 import math
 import threading
 
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
-from cute_kernels.sparse_mla_decode.layout import D_QK, D_V
+from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
+from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
+from cute_kernels.sparse_mla_decode.layout import D_V, DEFAULT_SM_SCALE
 
 from . import loader
-from .launcher import BoundKernel, argument_kinds
-from .splits import plan_splits, two_ctas_per_sm
+from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
 from .variants import partial_shape_config, variant_space, variants_for
 
 _LOG2_E = math.log2(math.e)
-_DEFAULT_SM_SCALE = 1.0 / math.sqrt(D_QK)
 SCRATCH_ALIGN = 256
 # the current stream's raw handle: torch's fast accessor where the build has it (CUDA builds do)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -67,6 +67,33 @@ def _variant_space_set(arch: str) -> frozenset:
     return frozenset(variant_space(arch))
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanOverrides:
+    """Choices a plan makes by the dispatch's measured rules, forced instead: a measurement
+    and testing aid (``plan_sparse_mla_decode(..., overrides=...)``). A forced variant need
+    not be in the variant space (it is then compiled on first use, or refused when compiling
+    is switched off). None leaves a choice to the dispatch.
+
+    head_groups: 16-head groups per CTA (1 or 2); num_splits: splits per token (1: the
+    partial kernel writes out / lse itself, no merge), at most the token's chunks and
+    ``splits.MAX_SPLITS``; num_stages: raw row stages (2 or 3); two_ctas_per_sm: the "f16"
+    kernel held to 128 registers (True) or not."""
+
+    head_groups: int | None = None
+    num_splits: int | None = None
+    num_stages: int | None = None
+    two_ctas_per_sm: bool | None = None
+
+    def check(self) -> None:
+        """Raise ValueError for a value no kernel has."""
+        if self.head_groups is not None and self.head_groups not in HEAD_GROUPS:
+            raise ValueError(f"overrides.head_groups must be one of {HEAD_GROUPS}, got {self.head_groups!r}")
+        if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"overrides.num_splits must be in [1, {MAX_SPLITS}], got {self.num_splits!r}")
+        if self.num_stages is not None and self.num_stages not in (2, 3):
+            raise ValueError(f"overrides.num_stages must be 2 or 3, got {self.num_stages!r}")
+
+
 def check_in_variant_space(variants, arch: str, what: str) -> None:
     """Every variant a plan launches is one the variant space (and so the AOT build) has:
     the dispatch's policies (head groups, splits) must never select another."""
@@ -78,21 +105,40 @@ def check_in_variant_space(variants, arch: str, what: str) -> None:
 class DecodePlan:
     """A launch plan for one layout of a ``sparse_mla_decode`` call (see the module doc)."""
 
-    def __init__(self, call):
-        """``call`` is a validated call (``dispatch.api.validate_call``)."""
+    def __init__(self, call, overrides: PlanOverrides | None = None):
+        """``call`` is a validated call (``dispatch.api.validate_call``); ``overrides`` forces
+        choices the dispatch would make (``PlanOverrides``)."""
+        ov = overrides or PlanOverrides()
+        ov.check()
         self.device_index = call.device_index
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
         shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision,
-                                     topk=call.topk, extra_topk=call.extra_topk, smem_per_sm=call.smem_per_sm)
+                                     topk=call.topk, extra_topk=call.extra_topk, smem_per_sm=call.smem_per_sm,
+                                     head_groups=ov.head_groups)
+        if ov.num_stages is not None:  # the split plan sees the stages' shared memory too
+            shape = dataclasses.replace(shape, num_stages=ov.num_stages)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
                                  num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
-        two_per_sm = two_ctas_per_sm(shape, self.split, call.num_tokens, call.num_heads, call.num_sms,
-                                     call.smem_per_sm)
+        if ov.num_splits is not None:
+            chunks = self.split.num_chunks
+            per_split = -(-chunks // min(ov.num_splits, chunks))
+            self.split = SplitPlan(chunks, per_split, -(-chunks // per_split))
+            if self.split.num_splits != ov.num_splits:
+                raise ValueError(f"overrides.num_splits={ov.num_splits}: {chunks} chunks of {shape.block_n} entries "
+                                 f"split into equal ranges give {self.split.num_splits} splits")
+        two_per_sm = (two_ctas_per_sm(shape, self.split, call.num_tokens, call.num_heads, call.num_sms,
+                                      call.smem_per_sm) if ov.two_ctas_per_sm is None else ov.two_ctas_per_sm)
         self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups,
                                      precision=call.precision, two_ctas_per_sm=two_per_sm)
-        check_in_variant_space(self.variants, call.arch, f"{self.split} for {call.launch_metadata}")
+        if ov.num_stages is not None:
+            self.variants = tuple(dataclasses.replace(v, config=dataclasses.replace(v.config, num_stages=ov.num_stages))
+                                  if isinstance(v.config, PartialConfig) else v for v in self.variants)
+        for v in self.variants:
+            v.config.check()
+        if ov == PlanOverrides():  # the dispatch's own choice: always one the AOT build has
+            check_in_variant_space(self.variants, call.arch, f"{self.split} for {call.launch_metadata}")
         self.final = len(self.variants) == 1
         T, S, H = call.num_tokens, self.split.num_splits, call.num_heads
         self._o_part_bytes = 0 if self.final else T * S * H * D_V * 4
@@ -104,11 +150,10 @@ class DecodePlan:
         # run()'s argument order
         self._inputs = tuple((name, layout_signature(getattr(call, name))) for name, _ in _RUN_TENSORS)
         present = {key for (_, key), (_, sig) in zip(_RUN_TENSORS, self._inputs) if sig is not None}
-        self._page, self._extra_page = call.main.page_block_size, call.extra.page_block_size
-        self._stride_vals = call.strides
-        self._args = (self._partial_args(present), self._merge_args(present))[:len(self.variants)]
-        self._compiled = [(loader.get_compiled(v), argument_kinds(loader.build_kernel(v).fake_args()))
-                          for v in self.variants]
+        values = self._argument_values(call, present)
+        schemas = (PARTIAL_ARGS, MERGE_ARGS)[:len(self.variants)]
+        self._args = [[values[a.name] for a in schema] for schema in schemas]
+        self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
         example = [call.pointers()[key] for _, key in _RUN_TENSORS] + [call.sm_scale * _LOG2_E, 0, 0]
         self._kernels = self._make_kernels(example)
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
@@ -117,6 +162,8 @@ class DecodePlan:
         """The plan's kernels with their own packed arguments, filled from ``values`` (a value
         per ``_VALUE_KEYS`` entry). Each ``Bind`` becomes (word index, position of its value
         in such a list, offset), for ``_bind_and_launch`` to rewrite per call."""
+        from .launcher import BoundKernel  # the DSL's runtime: loaded with the first plan
+
         kernels = []
         for (compiled, kinds), args in zip(self._compiled, self._args):
             filled = [values[_POSITION[a.key]] + a.offset if isinstance(a, Bind) else a for a in args]
@@ -128,37 +175,37 @@ class DecodePlan:
             kernels.append((bound, bound.words, binds, bound.floats, float_binds))
         return kernels
 
-    # ------------------------------------------------------------------ argument lists
-    def _partial_args(self, present: set) -> list:
-        """The partial kernel's arguments in order: plan constants, or ``Bind`` for per-call values.
+    # ------------------------------------------------------------------ argument values
+    def _argument_values(self, call, present: set) -> dict:
+        """Every kernel argument by its schema name (``kernel_args``): a plan constant, or a
+        ``Bind`` for a per-call value. An absent optional input, and the partial outputs in
+        final mode, are the constant 0: the compiled variant never dereferences them (and a
+        bug that did would fault loudly)."""
+        st = call.strides
 
-        An absent optional input, and the partial outputs in final mode, are the constant 0:
-        the compiled variant never dereferences them (and a bug that did would fault loudly).
-        """
-        st = self._stride_vals
-        alt = {k: Bind(k) if k in present else 0
-               for k in ("topk_length", "extra_indices", "extra_topk_length", "attn_sink", "extra")}
-        o_part = Bind("scratch") if not self.final else 0
-        lse_part = Bind("scratch", self._o_part_bytes) if not self.final else 0
-        return [
-            Bind("q"), st["q_t"], st["q_h"], self.num_tokens, self.num_heads,
-            Bind("main"), self._page, page_division_magic(self._page), st["main_block"], st["main_slots"],
-            Bind("indices"), st["idx_t"], self.topk, alt["topk_length"],
-            alt["extra"], self._extra_page, page_division_magic(self._extra_page), st["extra_block"],
-            st["extra_slots"], alt["extra_indices"],
-            st["extra_idx_t"], self.extra_topk, alt["extra_topk_length"],
-            Bind("sm_scale_log2"), self.split.chunks_per_split, self.split.num_splits, o_part, lse_part,
-            Bind("out"), st["out_t"], st["out_h"], Bind("lse"), st["lse_t"], st["lse_h"], alt["attn_sink"],
-            Bind("stream"),
-        ]
+        def optional(key):
+            return Bind(key) if key in present else 0
 
-    def _merge_args(self, present: set) -> list:
-        st = self._stride_vals
-        return [
-            Bind("scratch"), Bind("scratch", self._o_part_bytes), self.num_tokens, self.split.num_splits,
-            self.num_heads, Bind("attn_sink") if "attn_sink" in present else 0, Bind("out"), st["out_t"],
-            st["out_h"], Bind("lse"), st["lse_t"], st["lse_h"], Bind("stream"),
-        ]
+        split = not self.final
+        return {
+            "q": Bind("q"), "q_stride_t": st["q_t"], "q_stride_h": st["q_h"],
+            "num_tokens": self.num_tokens, "num_heads": self.num_heads,
+            "main_cache": Bind("main"), "main_page": call.main.page_block_size,
+            "main_page_magic": page_division_magic(call.main.page_block_size), "main_block_stride": st["main_block"],
+            "main_num_slots": st["main_slots"], "main_idx": Bind("indices"), "main_idx_stride": st["idx_t"],
+            "main_topk": self.topk, "main_len": optional("topk_length"),
+            "extra_cache": optional("extra"), "extra_page": call.extra.page_block_size,
+            "extra_page_magic": page_division_magic(call.extra.page_block_size),
+            "extra_block_stride": st["extra_block"], "extra_num_slots": st["extra_slots"],
+            "extra_idx": optional("extra_indices"), "extra_idx_stride": st["extra_idx_t"],
+            "extra_topk": self.extra_topk, "extra_len": optional("extra_topk_length"),
+            "sm_scale_log2": Bind("sm_scale_log2"), "chunks_per_split": self.split.chunks_per_split,
+            "num_splits": self.split.num_splits,
+            "o_part": Bind("scratch") if split else 0, "lse_part": Bind("scratch", self._o_part_bytes) if split else 0,
+            "out": Bind("out"), "out_stride_t": st["out_t"], "out_stride_h": st["out_h"],
+            "lse": Bind("lse"), "lse_stride_t": st["lse_t"], "lse_stride_h": st["lse_h"],
+            "attn_sink": optional("attn_sink"), "stream": Bind("stream"),
+        }
 
     # ------------------------------------------------------------------ run
     def new_scratch(self) -> torch.Tensor | None:
@@ -201,7 +248,7 @@ class DecodePlan:
                 raise self._layout_error(caller, name, t, sig)
             values.append(t.data_ptr())
         if sm_scale is None:
-            sm_scale = _DEFAULT_SM_SCALE
+            sm_scale = DEFAULT_SM_SCALE
         elif not math.isfinite(sm_scale):
             raise ValueError(f"DecodePlan.{caller}: sm_scale must be finite, got {sm_scale!r}")
         values.append(float(sm_scale) * _LOG2_E)

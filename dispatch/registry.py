@@ -1,12 +1,11 @@
 """The DeepSeek-V4 deployment grid, as data: the shapes serving engines run.
 
 This is the single source of truth for what the offline AOT build compiles
-(``scripts/aot_build.py`` builds ``registry_variants(arch)``), and a test proves that it
-equals the set of variants the dispatch selects for these shapes. Shapes come from
-``../shared/notes/dsv4_sparse_mla.md``: heads per GPU for TP 1 to 16 of V4-Flash and
-V4-Pro, the main and extra top-k widths and page sizes, speculative-draft widths, and
-every combination of the optional inputs (lengths, sink) with one split (final mode) and
-several splits (partial + merge).
+(``dsv4-mla-aot-build`` builds ``registry_variants(arch)``), and a test proves that it equals
+the set of variants the dispatch selects for these shapes: heads per GPU for TP 1 to 16 of
+V4-Flash, V4-Pro and V4.1-Flash, the main and extra top-k widths and page sizes serving
+engines use, speculative-draft widths, and every combination of the optional inputs
+(lengths, sink) with one split (final mode) and several splits (partial + merge).
 """
 
 from __future__ import annotations

@@ -21,16 +21,16 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
-from cute_kernels.sparse_mla_decode.config import (
-    BLOCK_SCALED_ARCHS, HEAD_GROUPS, MERGE_BATCHES, PRECISIONS, MergeConfig, PartialConfig, merge_batch_for,
+from cute_kernels.arch import BLOCK_SCALED_ARCHS, SMEM_PER_SM_BY_ARCH
+from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PRECISIONS, MergeConfig, PartialConfig, merge_batch_for
+from cute_kernels.sparse_mla_decode.tuning import (
+    DEFAULT_PRECISION, F16_BOUNDED_TWO_GROUPS_CHUNK_COST, F16_BOUNDED_TWO_GROUPS_MIN_FILL,
+    F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS, F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS, F16_TWO_GROUPS_MIN_BLOCKS,
+    F16_TWO_GROUPS_MIN_ENTRIES, MERGE_BATCHES, TWO_GROUPS_MIN_BLOCKS, TWO_GROUPS_MIN_ENTRIES,
 )
 
 from .metadata import DecodeMetadata
 from .splits import ctas_per_split, plan_splits, resident_ctas_per_sm, two_bounded_f16_ctas_fit, two_ctas_per_sm
-
-DEFAULT_PRECISION = "f16"
-
 
 @dataclass(frozen=True)
 class KernelVariant:
@@ -48,75 +48,17 @@ class KernelVariant:
         return f"{self.config.name}_{self.arch}"
 
 
-# Two head groups with splits from this many 16-head blocks per call (tokens x ceil(heads /
-# 16)) and this many entries per token (topk + extra_topk) up: the precisions but "f16" ...
-TWO_GROUPS_MIN_BLOCKS = 32
-TWO_GROUPS_MIN_ENTRIES = 256
-# ... and "f16" where an SM holds one of its 16-head CTAs anyway (sm_120)
-F16_TWO_GROUPS_MIN_BLOCKS = 64
-F16_TWO_GROUPS_MIN_ENTRIES = 512
-# "f16" where an SM holds two CTAs of either head-group count held to 128 registers (the H200):
-# two groups when the 32-head CTAs (tokens x ceil(heads / 32)) fill at least this fraction
-# (numerator, denominator) of the SMs' slots for them, with no split ...
-F16_BOUNDED_TWO_GROUPS_MIN_FILL = (3, 4)
-# ... or, with the 32-head grid split and two CTAs per SM: where the 16-head grid splits too,
-# when each 32-head CTA gets at least this many chunks (enough work to pay for its larger merge)
-F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS = 7
-# ... and where the 16-head grid needs no split, when a 16-head CTA's chunks outnumber a 32-head
-# CTA's times this ratio (numerator, denominator: a 32-head chunk costs 1.6 of a 16-head one, two
-# CTAs per SM each) by this many (the 32-head grid's merge and prologue, in 16-head chunks)
-F16_BOUNDED_TWO_GROUPS_CHUNK_COST = (8, 5)
-F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS = 7
-
-
 def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, topk: int, extra_topk: int = 0,
                     smem_per_sm: int, precision: str = DEFAULT_PRECISION) -> int:
-    """16-head groups per CTA.
+    """16-head groups per CTA (``docs/tuning.md`` has the measurements behind each rule).
 
-    16 or fewer heads: one (they do not pay for 32).
-
-    "f16" where an SM holds two of its 16-head CTAs (the H200:
-    ``splits.two_bounded_f16_ctas_fit``): there the 32-head kernel is held to 128 registers
-    too, two CTAs per SM, and two groups are used where those CTAs alone fill at least
-    ``F16_BOUNDED_TWO_GROUPS_MIN_FILL`` of the slots (tokens x ceil(heads / 32) >= 198 on
-    132 SMs): each gathered byte then becomes an MMA operand once for 32 heads (4622 sm_90a
-    warp-instructions per 32 heads and chunk against 5824 for two 16-head CTAs). Measured
-    (session 15, BENCHMARKS.md; the 16-head and 32-head CTAs each at the dispatch's split):
-    0.82-0.88x the time at 64 x 128, 128 x 64 and 256 x 32 / 64 / 128 heads (256 32-head
-    CTAs or more); 1.01-1.02x at 48 x 128 and 96 x 64 (192: a quarter of the slots idle);
-    1.09-1.16x where the 32-head grid needs a split the 16-head one does not (64 x 64 x 512,
-    32 x 128 x 512, 128 x 32 x 512) or more splits (8 x 128 x 1024). Held to one CTA per
-    SM (208 registers, 2026-12-01), 32-head CTAs had been slower there.
-    Where the 32-head grid splits, two CTAs per SM (session 16, BENCHMARKS.md: 29 shapes of
-    4-48 tokens x 64 / 128 heads, each group count at its own split, ``scripts/split_sweep.py
-    --plan-only``): one wave's time is about a fixed part plus the chunks per CTA times 1.44 us
-    (16 heads) or 2.3 us (32 heads), and the 32-head grid's fixed part is the larger (more
-    splits to merge). With splits on both sides, 32-head CTAs from
-    ``F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS`` (7) chunks each: 0.80-0.99x the time at 7-16
-    chunks (12 x 128 x 2048 59.3 -> 47.2 us, 16 x 128 x 1024 36.4 -> 35.2), 1.006x at 8 x 128
-    x 1792 (7); 1.02-1.12x at 4-6 chunks (8 x 128 x 1024 23.7 -> 25.7). Where the 16-head grid
-    needs no split (132-264 CTAs: a wave whose CTAs all have every chunk), 32-head CTAs when
-    8 / 5 of their chunks plus ``F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS`` (7) stay within the
-    16-head CTAs' chunks: 20 x 128 x 2048 101.4 -> 68.0 us, 18 x 128 x 1024 55.4 -> 42.1, 24 x
-    128 x 2048 0.90x; at 32 against 16 chunks 0.98-1.01x (24 x 128, 32 x 128, 64 x 64 x 1024:
-    left to 16 heads), at 16 against 8 1.14x.
-    Where an SM holds one 16-head CTA anyway (sm_120: 100 KB of shared memory per SM), two
-    groups when the 16-head blocks outnumber the SMs or there are at least
-    ``F16_TWO_GROUPS_MIN_BLOCKS`` of them with ``F16_TWO_GROUPS_MIN_ENTRIES`` entries per token:
-    measured on the H200 with its 16-head CTAs held to one per SM (session 8, BENCHMARKS.md;
-    sm_120's occupancy, not an sm_120 measurement), 32-head CTAs were 1.27-1.39x faster at
-    64 and 256 tokens x 64/128 heads, 1.03-1.12x at 8 x 128 with 512+ entries, 0.91x at
-    8 x 128 x 128 and 0.92-1.01x at 8 x 64 (each gathered byte becomes an MMA operand once
-    for 32 heads: 129 instead of 180 warp-instructions per head and chunk in the sm_120a SASS).
-
-    The other precisions: two (each gathered and dequantized row then serves 32 heads)
-    when there are more than 16 heads and either the 16-head blocks alone outnumber the SMs
-    (no split needed) or there are at least ``TWO_GROUPS_MIN_BLOCKS`` of them and at least
-    ``TWO_GROUPS_MIN_ENTRIES`` entries per token; one otherwise (a small call, latency-bound,
-    gets more, lighter CTAs). Measured on the H200 (BENCHMARKS.md, ``scripts/split_sweep.py
-    --head-groups 2``): with splits, 32-head CTAs are 1-6% faster at 8 tokens x 64/128 heads
-    with 512+ entries, 2-10% slower there with 128 entries and 1-9% slower at 1 token;
-    without a split they were the better choice."""
+    16 or fewer heads: one. "f16" where an SM holds two of its 128-register CTAs of either
+    size (the H200: ``splits.two_bounded_f16_ctas_fit``): ``_bounded_f16_head_groups``.
+    Otherwise two when the 16-head blocks (tokens x ceil(heads / 16)) outnumber the SMs, or
+    when there are at least ``*_TWO_GROUPS_MIN_BLOCKS`` of them and at least
+    ``*_TWO_GROUPS_MIN_ENTRIES`` entries per token ("f16" where an SM holds one CTA anyway,
+    sm_120: ``F16_...``; the other paths: ``TWO_GROUPS_...``); one otherwise (a small call is
+    latency-bound: more, lighter CTAs)."""
     blocks = num_tokens * -(-num_heads // 16)
     entries = topk + extra_topk
     if num_heads <= 16:
@@ -134,7 +76,13 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, topk: int,
 
 def _bounded_f16_head_groups(num_heads: int, num_tokens: int, num_sms: int, topk: int, extra_topk: int,
                              smem_per_sm: int) -> int:
-    """``head_groups_for`` where an SM holds two "f16" CTAs of either head-group count (the H200)."""
+    """``head_groups_for`` where an SM holds two "f16" CTAs of either head-group count (the H200):
+    two where the 32-head CTAs fill at least ``F16_BOUNDED_TWO_GROUPS_MIN_FILL`` of the slots
+    with no split; with the 32-head grid split (and two CTAs per SM), where the 16-head grid
+    splits too, when each 32-head CTA gets at least ``F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS``
+    chunks, and where it does not, when the 32-head CTAs' chunks, weighted by
+    ``F16_BOUNDED_TWO_GROUPS_CHUNK_COST``, plus ``F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS`` stay
+    within the 16-head CTAs' chunks."""
     one, two = (PartialConfig(head_groups=g, precision="f16", two_ctas_per_sm=True) for g in HEAD_GROUPS)
     slots = num_sms * resident_ctas_per_sm(two, smem_per_sm)
     num, den = F16_BOUNDED_TWO_GROUPS_MIN_FILL
@@ -176,16 +124,8 @@ def precisions_for(arch: str) -> tuple[str, ...]:
 
 
 def resolve_precision(precision: str | None, arch: str) -> str:
-    """The compute path of a call: the caller's choice, else the default for ``arch``.
-
-    The default is "f16" on every arch, by measurement (BENCHMARKS.md, README "Precision"):
-    on the H200 it is faster than "bf16" on every bench shape (up to 1.9x at 64 tokens x
-    64/128 heads) and as accurate (the cache values are exact in f16; P has 11 bits, not
-    8); its sm_120a main loop per chunk and thread (16 heads, without the rare rescale) has
-    319 instructions in the nope warps and 348 in the rope warp (sm_120: one CTA per SM, no
-    128-register bound), against bf16's 1117.
-    The FP8 paths are slower on the H200 (sm_90 has no e4m3 ``mma.sync``: ptxas emulates
-    it) and 10x less accurate; on sm_120 they are for measuring there first."""
+    """The compute path of a call: the caller's choice, else ``tuning.DEFAULT_PRECISION``
+    ("f16" on every arch, by measurement: ``docs/tuning.md``)."""
     if precision is None:
         return DEFAULT_PRECISION
     if precision not in precisions_for(arch):

@@ -1,12 +1,14 @@
-"""Benchmark DSV4 sparse-MLA decode on the GPU, by the method of the peer-baseline note.
+"""Benchmark sparse-MLA decode on a GPU (``docs/performance.md`` has the method and the results).
 
-    python scripts/bench.py [--json out.json] [--quick] [--precision P ...]
+    python -m scripts.bench [--json out.json] [--quick] [--precision P ...] [--tokens 1,64]
+                            [--head-groups G] [--stages S] [--no-torch]
 
-``--precision`` (repeatable: bf16, fp8, default) times each listed compute path; the
+``--precision`` (repeatable: bf16, f16, fp8, default) times each listed compute path; the
 table's main columns are the first one's (default: the path the dispatch picks), the others
-get a "us <precision>" column each.
+get a "us <precision>" column each. ``--head-groups`` / ``--stages`` force those choices on
+every plan (``dispatch.PlanOverrides``).
 
-Method (``../shared/notes/peer_baselines_h200.md``): caches of 4096 page blocks x 64 tokens
+Method: caches of 4096 page blocks x 64 tokens
 (262,144 tokens, block stride 37,440 bytes) in the DSV4 FP8 layout; q = randn bf16;
 sm_scale = 512**-0.5. Single-cache shapes gather uniform random slots; "128+512" shapes
 take main = the last 128 tokens of a sequence through a random block table and extra = 512
@@ -20,7 +22,9 @@ against the GPU's ``mma.sync`` f16 rate, also measured in the same run
 instructions around them, not the gather. The header line and the JSON (``conv_tflops``)
 also give that rate with the "f16" kernel's operand work (e4m3 bytes converted in registers,
 each used by 16 or 32 heads: ``converted_ceiling_tflops``), the most any kernel of that
-design can reach; ``scripts/bench_targets.py`` checks a JSON against the performance targets.
+design can reach. The torch column times the float32 reference (gather, dequantize, attention)
+captured the same way. FlashMLA's times are its SM90 sparse FP8 decode measured on an H200
+by the same method (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -33,16 +37,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, TOKEN_BYTES  # noqa: E402
-from cute_kernels.sparse_mla_decode.reference import reference_decode  # noqa: E402
-from dispatch import sparse_mla_decode  # noqa: E402
-from scripts.mma_ceiling import HEAD_GROUPS, converted_ceiling_tflops, mma_ceiling_tflops  # noqa: E402
-from tests.dsv4_inputs import make_cache  # noqa: E402
+from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, TOKEN_BYTES
+from cute_kernels.sparse_mla_decode.reference import reference_decode
+from dispatch import PlanOverrides, plan_sparse_mla_decode
+from scripts.mma_ceiling import HEAD_GROUPS, converted_ceiling_tflops, mma_ceiling_tflops
+from dispatch.testing import make_cache
 
 NUM_BLOCKS, PAGE = 4096, 64
-# FlashMLA SM90 times (us) on the H200, from ../shared/notes/peer_baselines_h200.md: (T, H, shape) -> us
+# FlashMLA SM90 times (us) on an H200 by this method (docs/performance.md): (T, H, shape) -> us
 FLASHMLA_US = {
     (1, 16, "128"): 15.1, (1, 16, "512"): 17.0, (1, 16, "1024"): 19.0,
     (1, 64, "128"): 15.5, (1, 64, "512"): 17.1, (1, 64, "1024"): 18.9,
@@ -56,6 +59,9 @@ FLASHMLA_US = {
     (1, 16, "128+512"): 17.2, (1, 64, "128+512"): 17.2, (1, 128, "128+512"): 16.4,
     (8, 16, "128+512"): 19.2, (8, 64, "128+512"): 19.2, (8, 128, "128+512"): 20.3,
     (64, 16, "128+512"): 47.8, (64, 64, "128+512"): 47.9, (64, 128, "128+512"): 39.5,
+    (256, 16, "128"): 35.0, (256, 16, "512"): 78.5, (256, 16, "1024"): 132.2, (256, 16, "128+512"): 91.5,
+    (256, 64, "128"): 34.9, (256, 64, "512"): 78.9, (256, 64, "1024"): 132.0, (256, 64, "128+512"): 91.0,
+    (256, 128, "128"): 51.2, (256, 128, "512"): 105.8, (256, 128, "1024"): 178.4, (256, 128, "128+512"): 128.7,
 }
 
 
@@ -100,24 +106,14 @@ def inputs(T, H, shape, caches, gen):
     return q, main, idx, {}, topk
 
 
-def force_partial_config(head_groups: int | None = None, num_stages: int | None = None) -> None:
-    """Make every plan's partial kernel use ``head_groups`` 16-head groups per CTA and
-    ``num_stages`` raw row stages (each where given): a measurement aid, with the
-    variant-space check switched off for the process. The split plan sees them too
-    (``partial_shape_config``, which derives the rest of the shape from the head groups)."""
-    import dataclasses
-
-    import dispatch.plan as plan_mod
-    from cute_kernels.sparse_mla_decode.config import PartialConfig
-
-    shape_config, variants = plan_mod.partial_shape_config, plan_mod.variants_for
-    stages = {} if num_stages is None else {"num_stages": num_stages}
-    plan_mod.partial_shape_config = lambda *a, **k: dataclasses.replace(
-        shape_config(*a, **k, head_groups=head_groups), **stages)
-    plan_mod.variants_for = lambda *a, **k: tuple(
-        dataclasses.replace(v, config=dataclasses.replace(v.config, **stages))
-        if isinstance(v.config, PartialConfig) else v for v in variants(*a, **k))
-    plan_mod.check_in_variant_space = lambda *a, **k: None
+def plan_runner(q, cache, idx, kw, precision, overrides):
+    """A no-argument call of the planned decode on these inputs (``plan.run``: what a serving
+    engine captures in a CUDA graph)."""
+    out = torch.empty(*q.shape[:-1], D_V, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, overrides=overrides, **kw)
+    scratch = plan.new_scratch()
+    return lambda: plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
 
 
 def graph_time_us(fn) -> float:
@@ -131,23 +127,40 @@ def graph_time_us(fn) -> float:
     return do_bench(graph.replay, return_mode="median") * 1e3
 
 
+def print_table(rows: list, precisions: list) -> None:
+    """The bench table (``FLASHMLA_US`` as this module has it, also for an older JSON's rows)."""
+    print(f"{'T':>4} {'H':>4} {'topk':>8} {'us':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>7} {'%mma':>6} "
+          f"{'torch us':>9} {'x torch':>8} "
+          f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:]))
+    for r in rows:
+        fm = FLASHMLA_US.get((r["T"], r["H"], r["topk"]))
+        fm = f"{fm:>11.1f} {fm / r['us']:>10.2f}" if fm else f"{'-':>11} {'-':>10}"
+        print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
+              f"{r['tflops']:>7.0f} {100 * r['frac_mma']:>5.1f}% "
+              f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
+              + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the rows as JSON to this path")
+    ap.add_argument("--from-json", help="print the table of an earlier --json run and exit (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="T=1 and 64 only, no torch reference")
     ap.add_argument("--precision", action="append", choices=("default", "bf16", "f16", "fp8"),
                     help="compute path(s) to time (repeatable; default: the dispatch's choice)")
     ap.add_argument("--tokens", help="comma-separated T values of the grid to run (default: all)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch reference timing")
     ap.add_argument("--head-groups", type=int, choices=(1, 2),
-                    help="force 16-head (1) or 32-head (2) CTAs on every call (variant-space check off)")
+                    help="force 16-head (1) or 32-head (2) CTAs on every call")
     ap.add_argument("--stages", type=int, choices=(2, 3),
-                    help="force every partial kernel's raw row stages (default: PartialConfig.default_stages)")
+                    help="force every partial kernel's raw row stages (default: the dispatch's)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())["rows"]
+        print_table(rows, [rows[0]["precision"], *[p for p in rows[0]["us_by_precision"] if p != rows[0]["precision"]]])
+        return 0
     precisions = args.precision or ["default"]
-    forced = {k: v for k, v in (("head_groups", args.head_groups), ("num_stages", args.stages)) if v}
-    if forced:
-        force_partial_config(**forced)
+    overrides = PlanOverrides(head_groups=args.head_groups, num_stages=args.stages)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
@@ -164,11 +177,11 @@ def main(argv=None) -> int:
     rows = []
     for n, (T, H, shape) in enumerate(grid):
         q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen)
-        times = {p: graph_time_us(lambda: sparse_mla_decode(q, cache, idx, precision=None if p == "default" else p,
-                                                            **kw))
+        times = {p: graph_time_us(plan_runner(q, cache, idx, kw, None if p == "default" else p, overrides))
                  for p in precisions}
         us = times[precisions[0]]
-        ref_us = math.nan if args.quick or args.no_torch else graph_time_us(lambda: reference_decode(q, cache, idx, **kw))
+        ref_us = (math.nan if args.quick or args.no_torch
+                  else graph_time_us(lambda: reference_decode(q, cache, idx, dtype=torch.float32, **kw)))
         gbs = T * entries * TOKEN_BYTES / (us * 1e-6) / 1e9
         fm = FLASHMLA_US.get((T, H, shape))
         tflops = tensor_flops(T, H, shape) / (us * 1e-6) / 1e12
@@ -178,15 +191,7 @@ def main(argv=None) -> int:
                    precision=precisions[0], us_by_precision=times)
         rows.append(row)
         print(f"[{n + 1}/{len(grid)}] T={T} H={H} topk={shape}: {us:.1f} us", file=sys.stderr, flush=True)
-    print(f"{'T':>4} {'H':>4} {'topk':>8} {'us':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>7} {'%mma':>6} "
-          f"{'torch us':>9} {'x torch':>8} "
-          f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:]))
-    for r in rows:
-        fm = f"{r['flashmla_us']:>11.1f} {r['vs_flashmla']:>10.2f}" if r["flashmla_us"] else f"{'-':>11} {'-':>10}"
-        print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
-              f"{r['tflops']:>7.0f} {100 * r['frac_mma']:>5.1f}% "
-              f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
-              + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:]))
+    print_table(rows, precisions)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=ceiling,
                                                    mma_tflops=mma_tflops, conv_tflops=conv_tflops, rows=rows),

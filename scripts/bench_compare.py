@@ -1,11 +1,11 @@
-"""Compare two trees' ``scripts/bench.py --json`` runs: the A/B tables of BENCHMARKS.md.
+"""Compare two trees' ``scripts.bench --json`` runs: an A/B table (``docs/contributing.md``).
 
-    python scripts/bench_compare.py --old old_1.json old_2.json --new new_1.json new_2.json
+    python -m scripts.bench_compare --old old_1.json old_2.json --new new_1.json new_2.json
 
-The method those tables use: in one lease, run the bench on the old tree, the new, the old,
-the new (so that a drift of the machine hits both alike), then take each shape's minimum
-over its runs. Prints one line per shape (old us, new us, new / old, and every run's time)
-and the geometric mean of new / old over the shapes both sides timed.
+The method: on one machine, in one sitting, run the bench on the old tree, the new, the old,
+the new (so that a drift of the machine hits both alike; ``scripts/ab_bench.sh``), then take
+each shape's minimum over its runs. Prints one line per shape (old us, new us, new / old, and
+every run's time) and the geometric mean of new / old over the shapes both sides timed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def load_runs(paths: list[str]) -> dict:
-    """{(T, H, topk): [us of each run]} of ``scripts/bench.py --json`` files."""
+    """{(T, H, topk): [us of each run]} of ``scripts.bench --json`` files."""
     times: dict = {}
     for path in paths:
         for row in json.loads(Path(path).read_text())["rows"]:

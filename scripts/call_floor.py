@@ -1,9 +1,9 @@
 """Where the time of a small decode call goes, on the GPU (a measurement aid for T=1 / T=8).
 
-    python scripts/call_floor.py [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA] of bench.py's grid
+    python -m scripts.call_floor [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA] of bench.py's grid
 
 Prints (1) the floor of the bench's method itself: a CUDA graph of one trivial kernel, and of
-two, timed exactly as scripts/bench.py times a call (graph replay, ``do_bench`` median with its
+two, timed exactly as scripts.bench times a call (graph replay, ``do_bench`` median with its
 L2 clear); (2) per shape, the bench time of the call and, from ``torch.profiler`` over graph
 replays each after a 256 MB L2 flush, the median GPU duration of each kernel it launches (the
 merge kernel is a programmatic dependent launch: it starts while the partial kernel runs, so
@@ -13,15 +13,13 @@ the two durations overlap and do not add up).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch import sparse_mla_decode  # noqa: E402
-from scripts.bench import NUM_BLOCKS, PAGE, graph_time_us, inputs  # noqa: E402
-from tests.dsv4_inputs import make_cache  # noqa: E402
+from dispatch import sparse_mla_decode
+from scripts.bench import NUM_BLOCKS, PAGE, graph_time_us, inputs
+from dispatch.testing import make_cache
 
 DEFAULT_SHAPES = ["1x16x128", "1x64x1024", "1x128x1024", "1x128x128+512", "8x16x128", "8x128x1024"]
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU suite, as run on the lent H200 (see README "Running on the GPU host"):
-#   source .devwheels/setup_cutedsl.sh .devwheels && export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/gpu_suite.sh
-# Writes the pytest log under $OUT (when set) and ends with the pytest summary line.
+# The GPU test suite (the tests marked gpu) on a machine with a CUDA GPU, from the checkout's
+# root with the package importable (installed, or PYTHONPATH=$PWD; docs/contributing.md):
+#   bash scripts/gpu_suite.sh [pytest arguments ...]
+# Writes the pytest log to $OUT/gpu_pytest.log ($OUT defaults to /tmp) and ends with pytest's
+# summary line.
 set -o pipefail
 out="${OUT:-/tmp}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true

@@ -1,6 +1,6 @@
 """Host overhead per decode call on the GPU: eager calls minus CUDA-graph replays.
 
-    python scripts/host_overhead.py [--calls 3000]
+    python -m scripts.host_overhead [--calls 3000]
 
 For a T=1 shape (H=16, topk=128) and a T=8 dual-cache shape, times back-to-back calls
 of (a) the one-shot ``sparse_mla_decode`` (validation + plan lookup + launch), (b) a held
@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch import plan_sparse_mla_decode, sparse_mla_decode  # noqa: E402
-from tests.dsv4_inputs import make_cache, make_indices  # noqa: E402
+from dispatch import plan_sparse_mla_decode, sparse_mla_decode
+from dispatch.testing import make_cache, make_indices
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:

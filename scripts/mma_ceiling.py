@@ -2,12 +2,12 @@
 the MMA the default ("f16") kernel issues (sm_80+; SM120 has no other 16-bit tensor path),
 alone and fed the way that kernel feeds it.
 
-    python scripts/mma_ceiling.py [--heads 16 32 64]    # prints both, TFLOP/s (needs a CUDA GPU)
+    python -m scripts.mma_ceiling [--heads 16 32 64]    # prints both, TFLOP/s (needs a CUDA GPU)
 
 ``--heads``: the heads each converted fragment is used by (multiples of 16; default 16 and
 32, the kernel's head groups; 64 bounds a design no register budget allows).
 
-``scripts/bench.py`` measures them in the same run as the decode calls and reports each
+``scripts.bench`` measures them in the same run as the decode calls and reports each
 shape's tensor work against the first ("%mma"), next to the copy ceiling: the many-head
 shapes are bound by the MMAs and the instructions around them, not by the gather. On the
 H200 these are the ceilings of every kernel SM120 can run too; FlashMLA's SM90 kernel uses
@@ -37,17 +37,15 @@ heads cannot run its MMAs faster than this rate.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, RAW_ROW_STRIDE  # noqa: E402
-from cute_kernels.sparse_mla_decode.partial_f16 import PAIR_COLUMNS, UNIT  # noqa: E402
-from cute_kernels.sparse_mla_decode.warp_ops import e4m3x4_to_f16x2, ldsm_x4, mma_f16  # noqa: E402
+from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, RAW_ROW_STRIDE
+from cute_kernels.sparse_mla_decode.partial_f16 import PAIR_COLUMNS, UNIT
+from cute_kernels.sparse_mla_decode.warp_ops import e4m3x4_to_f16x2, ldsm_x4, mma_f16
 
 THREADS = 256
 CHAINS = 8

@@ -1,23 +1,21 @@
 """Run a few decode calls per shape, for a profiler to attach to (ncu, compute-sanitizer).
 
-    ncu --clock-control none --metrics gpu__time_duration.sum python scripts/profile_kernels.py 1x16x128 64x128x512
-    DSV4_PRECISION=fp8 python scripts/profile_kernels.py ...   # the FP8 path (default: the dispatch's choice)
+    ncu --clock-control none --metrics gpu__time_duration.sum python -m scripts.profile_kernels 1x16x128 64x128x512
+    DSV4_PRECISION=fp8 python -m scripts.profile_kernels ...   # the FP8 path (default: the dispatch's choice)
 
-Each SHAPE is TxHxTOPK[+EXTRA]; caches and inputs as in scripts/bench.py (262,144 tokens).
+Each SHAPE is TxHxTOPK[+EXTRA]; caches and inputs as in scripts.bench (262,144 tokens).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dispatch import sparse_mla_decode  # noqa: E402
-from tests.dsv4_inputs import make_cache  # noqa: E402
+from dispatch import sparse_mla_decode
+from dispatch.testing import make_cache
 
 
 def main(argv=None) -> int:

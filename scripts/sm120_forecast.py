@@ -1,14 +1,14 @@
 """ESTIMATE of the decode times on an RTX PRO 6000 Blackwell (sm_120), from the sm_120a SASS.
 
-    python scripts/sm120_forecast.py [--h200-json bench.json]
+    python -m scripts.sm120_forecast [--h200-json bench.json]
 
 No SM120 GPU has run these kernels: every number this prints for it is a model, not a
-measurement. The model, per shape of scripts/bench.py's grid:
+measurement. The model, per shape of scripts.bench's grid:
 
     time = FIXED_US + max(issue_us, tensor_us, memory_us)
 
 - issue_us: the partial kernel is bound by instruction issue on the H200 (ncu: issue slots
-  26% busy, see BENCHMARKS.md). Per SM it issues (CTAs per SM) x (chunks per CTA) x (the
+  26% busy, docs/performance.md). Per SM it issues (CTAs per SM) x (chunks per CTA) x (the
   main loop's warp-instructions per chunk and CTA: instructions per thread and chunk in the
   sm_120a SASS of the shipped kernel times the warps running that loop); at ISSUE_RATE warp-instructions per scheduler and cycle, 4
   schedulers per SM, the device's boost clock. The split and the head groups are the ones
@@ -16,7 +16,7 @@ measurement. The model, per shape of scripts/bench.py's grid:
 - tensor_us: the main loops' MMAs at SM120's tensor rates. Per SM (CTAs per SM) x (chunks
   per CTA) x the FLOPs of one chunk's MMAs (counted in the same SASS, each opcode's m n k:
   HMMA.16816 2 x 16 x 8 x 16, QMMA.16832 twice that), each kind at its rate per SM and cycle:
-  TENSOR_FLOP_PER_SM_CYCLE, from the RTX 5090 rates the issue quotes (measured by the QuACK
+  TENSOR_FLOP_PER_SM_CYCLE, from published RTX 5090 rates (measured by the QuACK
   project: bf16 ~255, fp8 ~507, block-scaled fp8 ~1000 TFLOP/s dense) over its 170 SMs at
   its 2.407 GHz boost clock. Where the RTX PRO 6000 accumulates 16-bit MMAs in f32 at twice
   the GeForce rate (NVIDIA's professional parts have), the 16-bit term halves.
@@ -31,7 +31,7 @@ Each compute path gets its own estimate (its own main-loop count: bf16, f16, fp8
 the block-scaled form only SM120 has); the model charges every instruction the same issue
 slot; the tensor term is what the MMA rates add.
 
-With ``--h200-json`` (a scripts/bench.py --json file) the same model is also evaluated for
+With ``--h200-json`` (a scripts.bench --json file) the same model is also evaluated for
 the H200, for the precision that file timed first (the default path unless it says), and
 printed next to the H200 measurement: how far the model is off where it can be checked.
 
@@ -53,14 +53,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cute_kernels.sparse_mla_decode.config import PRECISIONS, PartialConfig  # noqa: E402
-from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES  # noqa: E402
-from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM  # noqa: E402
-from dispatch.splits import ctas_per_split, plan_splits  # noqa: E402
-from scripts.bench import GRID, list_lengths  # noqa: E402
-from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E402
+from cute_kernels.sparse_mla_decode.config import PRECISIONS, PartialConfig
+from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES
+from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
+from dispatch.splits import ctas_per_split, plan_splits
+from scripts.bench import GRID, list_lengths
+from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
+from dispatch.variants import partial_shape_config
 
 ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
 FIXED_US = 9.7  # the fastest call of the H200 bench at d931db8 (1 x 16 x 128)
@@ -162,7 +162,7 @@ def model_us(T: int, H: int, shape: str, dev: Device, work: dict,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--h200-json", help="a scripts/bench.py --json file: check the model against it")
+    ap.add_argument("--h200-json", help="a scripts.bench --json file: check the model against it")
     args = ap.parse_args(argv)
     work = {p: loop_work(p) for p in PRECISIONS}
     measured, h200_precision = {}, DEFAULT_PRECISION

@@ -1,50 +1,37 @@
 """Time bench shapes with the split count forced, to tune ``dispatch/splits.py`` by measurement.
 
-    python scripts/split_sweep.py [--head-groups G] [--precision P] [--plan-only] [SHAPE ...]
+    python -m scripts.split_sweep [--head-groups G] [--precision P] [--plan-only] [SHAPE ...]
     # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
 
 ``--head-groups 1`` or ``2`` forces 16-head or 32-head CTAs (where the dispatch would pick the
-other), with the variant-space check off for the run; ``--precision`` times that compute path
-(default: the dispatch's); ``--plan-only`` times only the split count ``plan_splits`` picks
-(to compare head-group counts each at its own plan).
+other); ``--precision`` times that compute path (default: the dispatch's); ``--plan-only``
+times only the split count ``plan_splits`` picks (to compare head-group counts each at its
+own plan).
 
-For every shape: the split ``plan_splits`` picks, then the call timed (bench.py's method:
+For every shape: the split ``plan_splits`` picks, then the planned call timed (bench's method:
 CUDA-graph replay, ``do_bench`` median with its L2 clear) with the split count forced to
 each candidate (every count that equal chunk ranges give, ``split_candidates``, up to
-``MAX_SPLITS``). The forcing replaces ``dispatch.plan.plan_splits`` for the run; the kernels
-and everything else are the shipped ones. Prints one line per shape: us per split count,
-the best marked with *.
+``MAX_SPLITS``) by ``dispatch.PlanOverrides``; the kernels are the shipped ones. Prints one
+line per shape: us per split count, the best marked with *.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dispatch.api as api  # noqa: E402
-import dispatch.plan as plan_mod  # noqa: E402
-from dispatch import sparse_mla_decode  # noqa: E402
-from dispatch.splits import MAX_SPLITS, SplitPlan, plan_splits  # noqa: E402
-from dispatch.variants import DEFAULT_PRECISION, partial_shape_config  # noqa: E402
-from scripts.bench import NUM_BLOCKS, PAGE, force_partial_config, graph_time_us, inputs  # noqa: E402
-from tests.dsv4_inputs import make_cache  # noqa: E402
-
-
-def forced(num_splits: int):
-    """A ``plan_splits`` that splits every token's chunks ``num_splits`` ways (at most)."""
-    def plan(num_tokens, num_heads, topk, extra_topk, *, cfg, num_sms, smem_per_sm):
-        chunks = -(-topk // cfg.block_n) + -(-extra_topk // cfg.block_n)
-        per = -(-chunks // min(num_splits, chunks))
-        return SplitPlan(chunks, per, -(-chunks // per))
-    return plan
+from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
+from dispatch import PlanOverrides, validate_call
+from dispatch.splits import MAX_SPLITS, plan_splits
+from dispatch.testing import make_cache
+from dispatch.variants import partial_shape_config
+from scripts.bench import NUM_BLOCKS, PAGE, graph_time_us, inputs, plan_runner
 
 
 def split_candidates(num_chunks: int) -> set:
-    """Every split count that equal chunk ranges give (``forced``): ceil(chunks / per) for
+    """Every split count that equal chunk ranges give (``PlanOverrides.num_splits``): ceil(chunks / per) for
     every chunks-per-split ``per``, up to ``MAX_SPLITS``."""
     return {-(-num_chunks // per) for per in range(1, num_chunks + 1)} & set(range(1, MAX_SPLITS + 1))
 
@@ -59,7 +46,6 @@ def main(argv=None) -> int:
             continue
         if argv[0] == "--head-groups":
             groups = int(argv[1])
-            force_partial_config(head_groups=groups)
         else:
             precision = argv[1]
         argv = argv[2:]
@@ -73,7 +59,7 @@ def main(argv=None) -> int:
         T, H, shape = spec.split("x", 2)
         T, H = int(T), int(H)
         q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
-        call = api.validate_call(q, cache, idx, **kw)
+        call = validate_call(q, cache, idx, **kw)
         cfg = partial_shape_config(H, T, props.multi_processor_count, precision or DEFAULT_PRECISION,
                                    topk=call.topk, extra_topk=call.extra_topk,
                                    smem_per_sm=props.shared_memory_per_multiprocessor, head_groups=groups)
@@ -82,13 +68,8 @@ def main(argv=None) -> int:
         candidates = {chosen.num_splits} if plan_only else split_candidates(chosen.num_chunks) | {chosen.num_splits}
         times = {}
         for s in sorted(candidates):
-            plan_mod.plan_splits = forced(s)
-            api._PLANS.clear()
-            try:
-                times[s] = graph_time_us(lambda: sparse_mla_decode(q, cache, idx, precision=precision, **kw))
-            finally:
-                plan_mod.plan_splits = plan_splits
-                api._PLANS.clear()
+            times[s] = graph_time_us(plan_runner(q, cache, idx, kw, precision,
+                                                 PlanOverrides(head_groups=groups, num_splits=s)))
         best = min(times, key=times.get)
         cells = " ".join(f"{s}:{us:.1f}{'*' if s == best else ''}" for s, us in times.items())
         label = f"{spec} g{cfg.head_groups}"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from dispatch import loader
+from cute_kernels.arch import SMEM_PER_CTA_MAX
+from dispatch import aot_build, loader
 from dispatch.fingerprint import FIELDS, PROJECT_VERSION
 from dispatch.registry import registry_variants
 from dispatch.variants import variant_space
-from scripts import aot_build
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = "merge_t128_b8|_f16_g1x16.*len11_final1_sink1"  # two merge variants (batch 8) and one partial variant
@@ -39,9 +39,24 @@ def _isolated(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot")
-    assert aot_build.main(["--only", SLICE, "--out", str(out), "--jobs", "2"]) == 0
+    assert aot_build.main(["--arch", "sm_120a", "--only", SLICE, "--out", str(out), "--jobs", "2"]) == 0
     return out
 
+
+
+def test_missing_sass_tool_is_reported_before_any_compile(monkeypatch, tmp_path, capsys):
+    import cute_kernels.sass_check as sass_check
+
+    def missing(name):
+        raise sass_check.MissingSassTool(f"{name} not found (it reads the compiled kernels' SASS): "
+                                         f"{sass_check.INSTALL_SASS_TOOLS}")
+
+    monkeypatch.setattr(sass_check, "_tool", missing)
+    monkeypatch.setattr(aot_build, "build_one", lambda *a, **k: pytest.fail("compiled with a tool missing"))
+    assert aot_build.main(["--out", str(tmp_path / "aot")]) == 2
+    err = capsys.readouterr().err
+    assert "cuobjdump not found" in err and "pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump" in err
+    assert not (tmp_path / "aot" / "manifest.json").exists()
 
 
 def test_registry_is_what_dispatch_selects_and_what_the_build_builds():
@@ -67,13 +82,13 @@ def test_manifest_records_every_field(built):
         assert entry["resources"]["local_bytes"] == 0 and entry["resources"]["local_memory_instructions"] == 0
         if "partial" in name:
             assert entry["resources"]["mma"] == {"HMMA.16816.F32": 32, "HMMA.16816.F32.BF16": 32}
-            assert entry["resources"]["static_smem_bytes"] + entry["resources"]["dynamic_smem_bytes"] <= 101376
+            assert entry["resources"]["launch_smem_bytes"] <= SMEM_PER_CTA_MAX
     text = aot_build.report(built)
-    assert "3 variants; 0 spill; 0 over 99 KB" in text
+    assert f"3 variants; 0 spill; 0 over {SMEM_PER_CTA_MAX} bytes of shared memory per CTA" in text
 
 
 def test_rebuild_is_incremental(built, capsys):
-    assert aot_build.main(["--only", SLICE, "--out", str(built), "--jobs", "2"]) == 0
+    assert aot_build.main(["--arch", "sm_120a", "--only", SLICE, "--out", str(built), "--jobs", "2"]) == 0
     assert "3 up to date, 0 to build" in capsys.readouterr().out
 
 
@@ -131,14 +146,13 @@ def test_no_jit_switch_refuses_a_missing_variant(tmp_path):
     with pytest.raises(loader.MissingAotVariant) as info:
         loader.get_compiled(v)
     assert v.name in str(info.value)
-    assert "python scripts/aot_build.py --arch sm_120a" in str(info.value)
+    assert "dsv4-mla-aot-build --arch sm_120a" in str(info.value)
     assert loader.stats["compiled"] == 0
 
 
 _WORKER = textwrap.dedent("""
-    import json, sys
+    import json
     from pathlib import Path
-    sys.path.insert(0, {root!r})
     from dispatch import loader
     from dispatch.registry import registry_variants
     loader.PACKAGE_AOT_DIR = Path({none!r})
@@ -149,10 +163,10 @@ _WORKER = textwrap.dedent("""
 
 
 def test_concurrent_writers_share_one_disk_cache_entry(tmp_path):
-    script = _WORKER.format(root=str(ROOT), none=str(tmp_path / "none"))
+    script = _WORKER.format(none=str(tmp_path / "none"))
     env = {**__import__("os").environ, "DSV4_MLA_CACHE_DIR": str(tmp_path / "jit")}
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for _ in range(3)]
+                              text=True, env=env, cwd=tmp_path) for _ in range(3)]
     results = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, err
@@ -162,5 +176,5 @@ def test_concurrent_writers_share_one_disk_cache_entry(tmp_path):
     assert meta["fingerprint"]["arch"] == "sm_121a"
     # a later process loads it from disk and compiles nothing
     out, err = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env).communicate(timeout=300)
+                                text=True, env=env, cwd=tmp_path).communicate(timeout=300)
     assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 0, "aot_loaded": 0, "disk_loaded": 1}, err

@@ -1,8 +1,9 @@
-"""The decode kernels against the float32 reference, on a CUDA GPU (skipped without one).
+"""The decode kernels against the float64 reference, on a CUDA GPU (skipped without one).
 
-Every case draws fresh random inputs, poisons the outputs (NaN) before the launch, leaves
-NaN bytes in cache blocks nobody selected and in the padding between blocks, runs the call
-twice and requires bit-identical results (a moving result is a race).
+Every case draws its random inputs from its own fixed seed (printed on failure), poisons the
+outputs (NaN) before the launch, leaves NaN bytes in cache blocks nobody selected and in the
+padding between blocks, runs the call twice and requires bit-identical results (a moving
+result is a race). Bounds: ``tests/tolerances.py``.
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ import math
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.reference import reference_decode
-from dispatch import sparse_mla_decode
-from dispatch.splits import plan_splits, two_bounded_f16_ctas_fit
 from cute_kernels.arch import arch_for_capability
-from dispatch.variants import partial_shape_config, precisions_for
-from tests.dsv4_inputs import make_cache, make_indices
-from tests.tolerances import LSE_ABS_MAX, OUT_REL_L2_MAX
+from cute_kernels.sparse_mla_decode.reference import reference_decode
+from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode
+from dispatch.splits import plan_splits, two_bounded_f16_ctas_fit
+from dispatch.testing import make_cache, make_indices
+from dispatch.variants import partial_shape_config
+from tests.tolerances import ACCURACY, check_against_reference, rounding_floor, seed_for
 
 pytestmark = pytest.mark.gpu
 
 POISON_BLOCKS = (1, 4)  # NaN-filled blocks that no index selects
-ACCURACY = []  # (case, out rel L2, lse abs error): printed in the terminal summary (conftest.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +131,8 @@ def _sink(kind, H, gen, device):
     return vals.float().to(device)
 
 
-def build_inputs(case: Case, device):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh every run, reproducible from the log
+def build_inputs(case: Case, device, seed: int):
+    gen = torch.Generator().manual_seed(seed)
     usable = [b for b in range(case.num_blocks) if b not in POISON_BLOCKS]
     cache = make_cache(case.num_blocks, case.page, device=device, poison_blocks=POISON_BLOCKS,
                        layout=case.layout, block_stride=case.block_stride, gen=gen, spread=case.spread,
@@ -167,27 +167,16 @@ def build_inputs(case: Case, device):
     return q, cache, idx, kw
 
 
-def check_against_reference(out, lse, ref_out, ref_lse, precision="bf16"):
-    """Per-token relative L2 of out, absolute error of lse, +inf exactly where the reference has it."""
-    assert torch.isfinite(out).all(), "out has NaN/inf (an unwritten or poisoned element?)"
-    ref_out = ref_out.double()  # float64: the squares of the "tiny" case's ~1e-37 stay normal
-    err = (out.double() - ref_out).flatten(1).norm(dim=1)
-    scale = ref_out.flatten(1).norm(dim=1)
-    zero = scale == 0
-    assert (err[zero] == 0).all(), "tokens whose reference output is 0 must be exactly 0"
-    rel = err[~zero] / scale[~zero]
-    worst = rel.max().item() if rel.numel() else 0.0
-    assert worst <= OUT_REL_L2_MAX[precision], f"out relative L2 error {worst:.3e} > {OUT_REL_L2_MAX[precision]}"
-    inf_ref = torch.isposinf(ref_lse)
-    assert torch.equal(torch.isposinf(lse), inf_ref), "lse must be +inf exactly for tokens with no valid entry"
-    assert not torch.isnan(lse).any()
-    fin = ~inf_ref
-    lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
-    assert lse_err <= LSE_ABS_MAX[precision], f"lse absolute error {lse_err:.3e} > {LSE_ABS_MAX[precision]}"
-    return worst, lse_err
+def check_case(case, precision, seed, outs, q, cache, idx, kw, what: str):
+    """The first of ``outs`` against the reference; records the case's accuracy."""
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    floor = rounding_floor(precision, q, cache, idx, kw, ref_out)
+    rel, lse_err, ratio = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse, floor=floor, seed=seed,
+                                                  what=f"{what} {case}")
+    ACCURACY.append((f"{what} {case}", rel, lse_err, ratio))
 
 
-def run_twice(case: Case, q, idx, call) -> list:
+def run_twice(case: Case, q, idx, call, seed: int) -> list:
     """``call(q, idx, out, lse)`` twice into NaN-poisoned outputs (q and indices as [B, 1, ..]
     for a ``q4d`` case); the two results as [T, H, 512] / [T, H], checked equal (a race would
     show as a difference)."""
@@ -202,33 +191,33 @@ def run_twice(case: Case, q, idx, call) -> list:
         outs.append((out.reshape(case.T, case.H, 512).clone(), lse.reshape(case.T, case.H).clone()))
     torch.cuda.synchronize()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), \
-        "two runs on the same inputs differ: a race"
+        f"[seed {seed}] {case}: two runs on the same inputs differ: a race"
     return outs
 
 
-@pytest.mark.parametrize("precision", ["bf16", "f16", "fp8", "mxf8"])
+PRECISIONS = ["bf16", "f16", "fp8", pytest.param("mxf8", marks=pytest.mark.block_scaled)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_decode_matches_reference(case: Case, precision: str):
     device = torch.device("cuda")
-    if precision not in precisions_for(arch_for_capability(torch.cuda.get_device_capability(device))):
-        # the block-scaled form runs only on sm_120a/121a: on such a GPU these cases are its test
-        pytest.skip(f"{precision} needs a GPU with the block-scaled MMA (sm_120a / sm_121a)")
-    q, cache, idx, kw = build_inputs(case, device)
-    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    seed = seed_for(f"{precision} {case}")
+    q, cache, idx, kw = build_inputs(case, device, seed)
 
     def call(q, idx, out, lse):
         got_out, got_lse = sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, **kw)
         assert got_out is out and got_lse is lse, "out/lse given must be written in place and returned"
 
-    outs = run_twice(case, q, idx, call)
+    outs = run_twice(case, q, idx, call, seed)
     props = torch.cuda.get_device_properties(device)
     cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision,
                                topk=case.topk, extra_topk=case.extra_topk or 0,
                                smem_per_sm=props.shared_memory_per_multiprocessor)
     plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, cfg=cfg,
                        num_sms=props.multi_processor_count, smem_per_sm=props.shared_memory_per_multiprocessor)
-    rel, lse_err = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse, precision)
-    ACCURACY.append((f"{precision} groups={cfg.head_groups} splits={plan.num_splits} {case}", rel, lse_err))
+    check_case(case, precision, seed, outs, q, cache, idx, kw,
+               f"{precision} groups={cfg.head_groups} splits={plan.num_splits}")
 
 
 # "f16" with two head groups (32-head CTAs): what the dispatch picks on sm_120 for many heads
@@ -239,93 +228,105 @@ TWO_GROUP_CASES = [c for c in CASES if c.H > 16] + [
 ]
 
 
-def _forced_f16_plan_matches_reference(case: Case, monkeypatch, what: str, **force):
-    """Run ``case`` in "f16" with the dispatch's choices overridden (``force``: ``head_groups``
-    for the shape config, ``two_ctas_per_sm`` for the register bound), check it against the
-    reference, and return the plan (for the caller's assertions)."""
-    import dispatch.api as api
-    import dispatch.plan as plan_mod
-
-    if "head_groups" in force:
-        shape_config = plan_mod.partial_shape_config
-        monkeypatch.setattr(plan_mod, "partial_shape_config",
-                            lambda *a, **k: shape_config(*a, **k, head_groups=force["head_groups"]))
-    if "two_ctas_per_sm" in force:
-        monkeypatch.setattr(plan_mod, "two_ctas_per_sm", lambda *a, **k: force["two_ctas_per_sm"])
-    monkeypatch.setattr(api, "_PLANS", {})  # plans of this test only, dropped after it
+def _forced_f16_plan_matches_reference(case: Case, what: str, overrides: PlanOverrides):
+    """Run ``case`` in "f16" through a plan with the dispatch's choices overridden, check it
+    against the reference, and return the plan (for the caller's assertions)."""
     device = torch.device("cuda")
-    q, cache, idx, kw = build_inputs(case, device)
-    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    got = run_twice(case, q, idx, lambda q, idx, out, lse: sparse_mla_decode(q, cache, idx, out=out, lse=lse,
-                                                                             precision="f16", **kw))
-    (plan,) = api._PLANS.values()
-    rel, lse_err = check_against_reference(got[0][0], got[0][1], ref_out, ref_lse, "f16")
-    ACCURACY.append((f"f16 {what} (forced) splits={plan.split.num_splits} chunks/split={plan.split.chunks_per_split} "
-                     f"{case}", rel, lse_err))
+    seed = seed_for(f"f16 {what} {case}")
+    q, cache, idx, kw = build_inputs(case, device, seed)
+    plans = []
+    tensors = {k: v for k, v in kw.items() if k != "sm_scale"}  # the plan fixes the tensors' layouts only
+
+    def call(q, idx, out, lse):
+        if not plans:
+            plans.append(plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision="f16", overrides=overrides,
+                                                **tensors))
+        plan = plans[0]
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
+
+    outs = run_twice(case, q, idx, call, seed)
+    plan = plans[0]
+    check_case(case, "f16", seed, outs, q, cache, idx, kw,
+               f"f16 {what} (forced) splits={plan.split.num_splits} chunks/split={plan.split.chunks_per_split}")
     return plan
 
 
 @pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
-def test_f16_two_head_groups_match_reference(case: Case, monkeypatch):
-    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "groups=2", head_groups=2)
+def test_f16_two_head_groups_match_reference(case: Case):
+    plan = _forced_f16_plan_matches_reference(case, "groups=2", PlanOverrides(head_groups=2))
     assert plan.variants[0].config.head_groups == 2
 
 
 # "f16" two head groups held to 128 registers: the H200's kernel for many heads where its grid
 # fills the SMs two CTAs each (``head_groups_for``; the default-path cases of 300 x 128 and
 # 700 x 64 run it in final mode), forced here with splits too (its rope warp issues the
-# indices late, as without the bound: ``late_indices``)
+# indices late, as without the bound: ``tuning.f16_late_indices``)
 @pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
-def test_f16_two_head_groups_with_register_bound_match_reference(case: Case, monkeypatch):
+def test_f16_two_head_groups_with_register_bound_match_reference(case: Case):
     if not two_bounded_f16_ctas_fit(torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor):
         pytest.skip("this GPU's SMs hold one such CTA: no bounded variant is built for it")
-    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "groups=2 bounded", head_groups=2,
-                                              two_ctas_per_sm=True)
+    plan = _forced_f16_plan_matches_reference(case, "groups=2 bounded",
+                                              PlanOverrides(head_groups=2, two_ctas_per_sm=True))
     cfg = plan.variants[0].config
     assert cfg.head_groups == 2 and cfg.two_ctas_per_sm and cfg.max_registers == 128
 
 
 # "f16" one group without the register bound (sm_120's kernel for up to 16 heads per CTA, and
 # the H200's where one CTA per SM is planned), forced where the H200 plans two CTAs per SM: its
-# rope warp issues the indices one chunk further ahead
-# (``SparseMlaPartialF16Kernel.late_indices``), which only splits of more than stages + 1 = 4
-# chunks reach (7 of these cases have 6-16 per split on the H200; T=16 x 128 and the last one
-# cross from the main list into the extra one there)
+# rope warp issues the indices one chunk further ahead (``tuning.f16_late_indices``), which
+# only splits of more than stages + 1 = 4 chunks reach (7 of these cases have 6-16 per split
+# on the H200; T=16 x 128 and the last one cross from the main list into the extra one there)
 FREE_KERNEL_CASES = [c for c in CASES if c.T >= 8 and c.H >= 32] + [
     Case(T=100, H=16, topk=100, extra_topk=300, extra_page=32, extra_blocks=80, lengths="random", spread=8),
 ]
 
 
 @pytest.mark.parametrize("case", FREE_KERNEL_CASES, ids=str)
-def test_f16_one_group_without_register_bound_matches_reference(case: Case, monkeypatch):
-    plan = _forced_f16_plan_matches_reference(case, monkeypatch, "unbounded", head_groups=1, two_ctas_per_sm=False)
+def test_f16_one_group_without_register_bound_matches_reference(case: Case):
+    plan = _forced_f16_plan_matches_reference(case, "unbounded", PlanOverrides(head_groups=1, two_ctas_per_sm=False))
     cfg = plan.variants[0].config
     assert cfg.head_groups == 1 and not cfg.two_ctas_per_sm
+
+
+# every split count class the merge kernel has (1: none; 2..8: one batch of 8; 9..32: one
+# of 32; 33..128: several) and both row-stage counts, forced on one "f16" case with lengths,
+# a sink, invalid entries and the extra list (128 chunks: equal ranges give these counts)
+SPLIT_CASE = Case(T=3, H=24, topk=2048, extra_topk=2048, extra_page=32, extra_blocks=200, lengths="random",
+                  extra_lengths="random", sink="mixed", invalid=0.1)
+
+
+@pytest.mark.parametrize("num_splits,stages", [(1, None), (2, None), (8, 2), (9, None), (32, 3), (43, None),
+                                               (128, None)])
+def test_forced_splits_and_stages_match_reference(num_splits, stages):
+    plan = _forced_f16_plan_matches_reference(SPLIT_CASE, f"splits={num_splits} stages={stages}",
+                                              PlanOverrides(num_splits=num_splits, num_stages=stages))
+    assert plan.split.num_splits == num_splits and len(plan.variants) == (1 if num_splits == 1 else 2)
+    if stages is not None:
+        assert plan.variants[0].config.stages == stages
 
 
 def test_allocates_outputs_with_leading_shape():
     device = torch.device("cuda")
     case = Case(T=6, H=16, topk=128)
-    q, cache, idx, kw = build_inputs(case, device)
+    seed = seed_for("leading shape")
+    q, cache, idx, kw = build_inputs(case, device, seed)
     out, lse = sparse_mla_decode(q.view(2, 3, 16, 512), cache, idx.view(2, 3, 128), **kw)
     assert out.shape == (2, 3, 16, 512) and out.dtype == torch.bfloat16
     assert lse.shape == (2, 3, 16) and lse.dtype == torch.float32
-    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    check_against_reference(out.view(6, 16, 512), lse.view(6, 16), ref_out, ref_lse)
+    check_case(case, "f16", seed, [(out.view(6, 16, 512), lse.view(6, 16))], q, cache, idx, kw, "leading shape")
 
 
 def test_block_scaled_form_is_refused_where_the_gpu_lacks_it():
     """precision="mxf8" (SM120's block-scaled MMA) on a GPU without it: refused before any
     launch, naming the arch, and the outputs are untouched."""
-    from cute_kernels.arch import arch_for_capability
-    from cute_kernels.sparse_mla_decode.config import BLOCK_SCALED_ARCHS
+    from cute_kernels.arch import BLOCK_SCALED_ARCHS
     from dispatch import InvalidDecodeInput
 
     device = torch.device("cuda")
     arch = arch_for_capability(torch.cuda.get_device_capability(device))
     if arch in BLOCK_SCALED_ARCHS:
         pytest.skip(f"{arch} has the block-scaled MMA")
-    q, cache, idx, kw = build_inputs(Case(T=2, H=16, topk=64), device)
+    q, cache, idx, kw = build_inputs(Case(T=2, H=16, topk=64), device, seed_for("mxf8 refused"))
     out = torch.full((2, 16, 512), math.nan, dtype=torch.bfloat16, device=device)
     with pytest.raises(InvalidDecodeInput, match=f"'mxf8' is not available on {arch}"):
         sparse_mla_decode(q, cache, idx, out=out, precision="mxf8", **kw)

@@ -3,6 +3,7 @@
 import dataclasses
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm, two_c
 from dispatch.variants import (
     head_groups_for, partial_shape_config, precisions_for, resolve_precision, variant_space, variants_for,
 )
-from tests.dsv4_inputs import make_cache, make_indices
+from dispatch.testing import make_cache, make_indices
 
 
 def test_variant_keys_follow_the_metadata():
@@ -139,7 +140,7 @@ def test_split_plan_covers_every_chunk_once(T, H, topk, extra):
 
 def test_split_plans_follow_the_h200_measurements():
     """The splits ``plan_splits`` picks on the H200 (132 SMs, two 16-head "f16" CTAs per SM)
-    where ``scripts/split_sweep.py`` measured the choice (BENCHMARKS.md)."""
+    where ``scripts.split_sweep`` measured the choice (``docs/tuning.md``)."""
     expected = {  # (T, H, topk, extra): (chunks per split, splits)
         (1, 16, 128, 0): (1, 4),  # single-chunk CTAs, few: as many splits as chunks
         (1, 128, 1024, 0): (2, 16),  # single-chunk CTAs would be two per SM: one per SM, two chunks
@@ -233,7 +234,7 @@ BAD = [
     ("out shape", {}, dict(out=torch.empty(2, 16, 448, dtype=torch.bfloat16)), "out has shape [2, 16, 448]"),
     ("lse dtype", {}, dict(lse=torch.empty(2, 16, dtype=torch.bfloat16)), "lse must be float32"),
     ("lse shape", {}, dict(lse=torch.empty(16, 2)), "lse has shape [16, 2], expected [2, 16]"),
-    ("lse convention", {}, dict(lse_convention="log10"), "lse_convention must be 'natural' or 'log2_with_sink'"),
+    ("lse convention", {}, dict(lse_convention="log10"), "lse_convention must be one of ('natural', 'log2_with_sink')"),
     ("precision unknown", {}, dict(precision="fp16"), "precision must be one of ('bf16', 'f16', 'fp8', 'mxf8')"),
     ("valid but on cpu", {}, {}, "the kernels run on CUDA devices only"),
 ]
@@ -258,11 +259,11 @@ def test_message_names_the_actual_shape():
             in str(info.value))
 
 
-def test_readme_table_lists_every_refusal():
-    """The README's table of refused inputs and this file's cases are the same list."""
+def test_docs_table_lists_every_refusal():
+    """The table of refused inputs in docs/api.md and this file's cases are the same list."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
     rows = [ln for ln in text.splitlines() if ln.startswith("| `") and ln.count("|") == 4]
     table = {ln.split("|")[2].strip(): ln.split("|")[3].strip().strip("`") for ln in rows}
     assert table == {name: message for name, _, _, message in BAD}
@@ -314,3 +315,16 @@ def test_precision_defaults_and_availability():
         # every precision serves every call shape (2 groups x 12), and on the H200 the "f16"
         # kernels of both groups also held to two CTAs per SM (24 more)
         assert counts == {p: 24 + (24 if p == "f16" and arch == "sm_90a" else 0) for p in precisions_for(arch)}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(head_groups=3), "overrides.head_groups must be one of (1, 2)"),
+    (dict(num_splits=0), "overrides.num_splits must be in [1, 128]"),
+    (dict(num_splits=129), "overrides.num_splits must be in [1, 128]"),
+    (dict(num_stages=4), "overrides.num_stages must be 2 or 3"),
+])
+def test_plan_overrides_refuse_what_no_kernel_has(overrides, message):
+    from dispatch import PlanOverrides
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PlanOverrides(**overrides).check()

@@ -1,4 +1,4 @@
-"""The float32 reference against an independent brute-force loop (CPU)."""
+"""The float64 reference against an independent brute-force loop (CPU)."""
 
 import math
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import unpack_cache
+from cute_kernels.sparse_mla_decode.layout import DEFAULT_SM_SCALE
 from cute_kernels.sparse_mla_decode.reference import reference_decode
-from tests.dsv4_inputs import make_cache, make_indices
+from dispatch.testing import make_cache, make_indices
 
 
 def brute_force(q, cache, idx, sm_scale, lengths=None, sink=None, extra=None, extra_idx=None, extra_lengths=None):
@@ -68,8 +69,9 @@ def test_reference_matches_brute_force(with_extra):
     if not with_extra:
         assert torch.isposinf(lse[2]).all() and (out[2] == 0).all()  # empty token: lse +inf, out 0
     fin = torch.isfinite(blse)
-    assert torch.allclose(lse[fin].double(), blse[fin], atol=1e-4)
-    assert torch.allclose(out.double(), bout, atol=1e-4, rtol=1e-4)
+    assert out.dtype == lse.dtype == torch.float64
+    assert torch.allclose(lse[fin], blse[fin], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(out, bout, rtol=1e-10, atol=1e-12)
     assert (out[:, 1] == 0).all()  # sink +inf silences the head
 
 
@@ -80,5 +82,5 @@ def test_duplicates_count_twice():
     once, lse1 = reference_decode(q, cache, torch.tensor([[3, 5]], dtype=torch.int32))
     twice, lse2 = reference_decode(q, cache, torch.tensor([[3, 3, 5]], dtype=torch.int32))
     assert not torch.allclose(once, twice)
-    bout, blse = brute_force(q, cache, torch.tensor([[3, 3, 5]], dtype=torch.int32), 512 ** -0.5)
-    assert torch.allclose(twice.double(), bout, atol=1e-4) and torch.allclose(lse2.double(), blse, atol=1e-5)
+    bout, blse = brute_force(q, cache, torch.tensor([[3, 3, 5]], dtype=torch.int32), DEFAULT_SM_SCALE)
+    assert torch.allclose(twice, bout, rtol=1e-10, atol=1e-12) and torch.allclose(lse2, blse, rtol=1e-12)

@@ -1,4 +1,9 @@
-"""Serving-engine readiness on a CUDA GPU: planned runs, CUDA graphs, torch.compile, adapters, soak."""
+"""Serving-engine readiness on a CUDA GPU: planned runs, CUDA graphs, torch.compile, adapters, soak.
+
+Every result is checked against the float64 reference (``tests/tolerances.py``); planned and
+graph-replayed runs are also compared bit for bit with the one-shot call on the same inputs
+(the same kernels must give the same bits). Each test draws its inputs from a fixed seed.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,27 @@ import torch
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import plan_sparse_mla_decode, sparse_mla_decode
 from dispatch.adapters import flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4
-from tests.dsv4_inputs import INT32_MAX, INT32_MIN, make_cache, make_indices
-from tests.test_decode_gpu import check_against_reference
-from tests.tolerances import OUT_REL_L2_MAX
+from dispatch.lse import convert_lse
+from dispatch.testing import INT32_MAX, INT32_MIN, make_cache, make_indices
+from tests.tolerances import LSE_TOL, check_against_reference, rounding_floor, seed_for
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def _inputs(T=8, H=16, topk=192, extra_topk=512, gen=None, lengths=True, sink=True):
-    gen = gen or torch.Generator().manual_seed(torch.seed() % 2**31)
+def _gen(name: str) -> tuple[torch.Generator, int]:
+    seed = seed_for(name)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def _check(out, lse, q, cache, idx, kw, seed, what="", precision="f16"):
+    """out / lse (natural lse, [T, H, 512] / [T, H]) against the reference of these inputs."""
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    floor = rounding_floor(precision, q, cache, idx, kw, ref_out)
+    return check_against_reference(out, lse, ref_out, ref_lse, floor=floor, seed=seed, what=what)
+
+
+def _inputs(T=8, H=16, topk=192, extra_topk=512, *, gen, lengths=True, sink=True):
     cache = make_cache(64, 64, device=DEV, gen=gen)
     extra = make_cache(300, 2, device=DEV, gen=gen)
     kw = dict(extra_kv_cache=extra,
@@ -42,18 +58,19 @@ def _refill(q, idx, kw, gen):
         kw["topk_length"].copy_(torch.randint(0, idx.shape[1] + 1, (idx.shape[0],), generator=gen).int())
 
 
-def _planned(T):
-    """Fresh inputs for T tokens and 16 heads, outputs, and a plan for them."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+def _planned(T, name):
+    """Inputs for T tokens and 16 heads (seeded by ``name``), outputs, and a plan for them."""
+    gen, seed = _gen(name)
     q, cache, idx, kw = _inputs(T=T, gen=gen)
     out = torch.empty(T, 16, 512, dtype=torch.bfloat16, device=DEV)
     lse = torch.empty(T, 16, device=DEV)
-    return gen, q, cache, idx, kw, out, lse, plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    return gen, seed, q, cache, idx, kw, out, lse, plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
 
 
 @pytest.mark.parametrize("T", [1, 300])  # several splits + merge, and one split (final mode)
 def test_plan_run_equals_one_shot(T):
-    q, cache, idx, kw = _inputs(T=T)
+    gen, seed = _gen(f"plan run {T}")
+    q, cache, idx, kw = _inputs(T=T, gen=gen)
     out = torch.full((T, 16, 512), math.nan, dtype=torch.bfloat16, device=DEV)
     lse = torch.full((T, 16), math.nan, device=DEV)
     plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
@@ -61,11 +78,11 @@ def test_plan_run_equals_one_shot(T):
     plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, **kw)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    check_against_reference(out, lse, *reference_decode(q, cache, idx, **kw))
+    _check(out, lse, q, cache, idx, kw, seed)
 
 
 def test_plan_run_refuses_a_different_layout():
-    q, cache, idx, kw = _inputs(T=1)  # several splits: the plan needs scratch
+    q, cache, idx, kw = _inputs(T=1, gen=_gen("refuses layout")[0])  # several splits: the plan needs scratch
     out, lse = torch.empty(1, 16, 512, dtype=torch.bfloat16, device=DEV), torch.empty(1, 16, device=DEV)
     plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
     assert plan.scratch_bytes > 0
@@ -85,7 +102,7 @@ def test_plan_run_refuses_a_different_layout():
 
 @pytest.mark.parametrize("T", [1, 300])
 def test_bound_run_follows_the_values_of_its_tensors(T):
-    gen, q, cache, idx, kw, out, lse, plan = _planned(T)
+    gen, seed, q, cache, idx, kw, out, lse, plan = _planned(T, f"bound run {T}")
     bound = plan.bind(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=0.05, **kw)
     graph = None
     for step in range(3):
@@ -104,11 +121,11 @@ def test_bound_run_follows_the_values_of_its_tensors(T):
             graph.replay()
         eager_out, eager_lse = sparse_mla_decode(q, cache, idx, sm_scale=0.05, **kw)
         assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
-    check_against_reference(out, lse, *reference_decode(q, cache, idx, sm_scale=0.05, **kw))
+    _check(out, lse, q, cache, idx, dict(kw, sm_scale=0.05), seed)
 
 
 def test_bind_refuses_a_different_layout():
-    q, cache, idx, kw = _inputs(T=1)
+    q, cache, idx, kw = _inputs(T=1, gen=_gen("bind refuses")[0])
     out, lse = torch.empty(1, 16, 512, dtype=torch.bfloat16, device=DEV), torch.empty(1, 16, device=DEV)
     plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
     with pytest.raises(ValueError, match=r"DecodePlan.bind: q has shape \[1, 16, 256\]"):
@@ -121,7 +138,7 @@ def test_bind_refuses_a_different_layout():
 
 @pytest.mark.parametrize("T", [4, 300])
 def test_cuda_graph_replay_with_new_values_and_padding(T):
-    gen, q, cache, idx, kw, out, lse, plan = _planned(T)
+    gen, seed, q, cache, idx, kw, out, lse, plan = _planned(T, f"graph replay {T}")
     scratch = plan.new_scratch()
     plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)  # warm up outside the capture
     torch.cuda.synchronize()
@@ -145,74 +162,82 @@ def test_cuda_graph_replay_with_new_values_and_padding(T):
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     assert (out[valid:] == 0).all() and torch.isposinf(lse[valid:]).all()
     sub = {k: (v[:valid] if k in ("topk_length", "extra_topk_length", "extra_indices") else v) for k, v in kw.items()}
-    check_against_reference(out[:valid], lse[:valid], *reference_decode(q[:valid], cache, idx[:valid], **sub))
+    _check(out[:valid], lse[:valid], q[:valid], cache, idx[:valid], sub, seed)
 
 
 def test_one_shot_call_can_be_captured():
-    q, cache, idx, kw = _inputs(T=2)
+    gen, seed = _gen("one-shot capture")
+    q, cache, idx, kw = _inputs(T=2, gen=gen)
     sparse_mla_decode(q, cache, idx, **kw)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = sparse_mla_decode(q, cache, idx, **kw)
-    q.copy_(torch.randn_like(q.float()).bfloat16())
+    q.copy_(torch.randn(q.shape, generator=gen).bfloat16())
     graph.replay()
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, **kw)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    _check(out, lse, q, cache, idx, kw, seed)
 
 
-def test_torch_compile_fullgraph():
-    q, cache, idx, kw = _inputs(T=4)
-    scale = 512 ** -0.5
+@pytest.mark.parametrize("precision", [None, "fp8"])
+def test_torch_compile_fullgraph(precision):
+    gen, seed = _gen(f"torch.compile {precision}")
+    q, cache, idx, kw = _inputs(T=4, gen=gen)
+    scale = 0.06
 
-    def layer(q, cache, idx, lens, sink, extra, e_idx, e_lens, precision):
-        out, lse = torch.ops.dsv4_mla.sparse_mla_decode(q * 1.0, cache, idx, scale, lens, sink, extra, e_idx, e_lens,
-                                                        precision)
-        return out.float().sum(-1) + lse
+    def layer(q, cache, idx, lens, sink, extra, e_idx, e_lens):
+        return torch.ops.dsv4_mla.sparse_mla_decode(q * 2.0, cache, idx, scale, lens, sink, extra, e_idx, e_lens,
+                                                    precision)
 
     args = (q, cache, idx, kw["topk_length"], kw["attn_sink"], kw["extra_kv_cache"], kw["extra_indices"],
             kw["extra_topk_length"])
-    for precision in (None, "fp8"):
-        compiled = torch.compile(layer, fullgraph=True)
-        assert torch.allclose(compiled(*args, precision), layer(*args, precision), equal_nan=True)
+    out, lse = torch.compile(layer, fullgraph=True)(*args)
+    _check(out, lse, q * 2.0, cache, idx, dict(kw, sm_scale=scale), seed, "torch.compile", precision or "f16")
 
 
 def test_flash_mla_adapter_conventions():
     B, S, H = 3, 2, 16
-    q, cache, idx, kw = _inputs(T=B * S, H=H)
+    gen, seed = _gen("flash_mla adapter")
+    q, cache, idx, kw = _inputs(T=B * S, H=H, gen=gen)
     out, lse = flash_mla_with_kvcache(
         q.view(B, S, H, 512), cache, None, None, 512, None, None, softmax_scale=0.07, is_fp8_kvcache=True,
         indices=idx.view(B, S, -1), attn_sink=kw["attn_sink"], extra_k_cache=kw["extra_kv_cache"],
         extra_indices_in_kvcache=kw["extra_indices"].view(B, S, -1), topk_length=kw["topk_length"].view(B, S),
         extra_topk_length=kw["extra_topk_length"].view(B, S))
     assert out.shape == (B, S, H, 512) and lse.shape == (B, H, S)  # FlashMLA's layouts
-    ref_out, ref_lse = reference_decode(q, cache, idx, sm_scale=0.07, **kw)
-    check_against_reference(out.reshape(B * S, H, 512), lse.transpose(1, 2).reshape(B * S, H), ref_out, ref_lse)
+    _check(out.reshape(B * S, H, 512), lse.transpose(1, 2).reshape(B * S, H), q, cache, idx,
+           dict(kw, sm_scale=0.07), seed, "flash_mla_with_kvcache")
 
 
 def test_flashinfer_adapter_conventions():
     T, H = 6, 16
-    q, cache, idx, kw = _inputs(T=T, H=H)
+    gen, seed = _gen("flashinfer adapter")
+    q, cache, idx, kw = _inputs(T=T, H=H, gen=gen)
     idx[0] = -1
     kw["extra_indices"][0] = -1  # token 0 selects nothing
     out, lse = trtllm_batch_decode_sparse_mla_dsv4(
         q, cache, None, idx, compressed_kv_cache=kw["extra_kv_cache"], sparse_topk_lens=kw["topk_length"],
         bmm1_scale=0.05, sinks=kw["attn_sink"], kv_layout="NHD", extra_sparse_indices=kw["extra_indices"],
         extra_sparse_topk_lens=kw["extra_topk_length"], return_lse=True)
-    ref_out, ref_lse = reference_decode(q, cache, idx, sm_scale=0.05, **kw)
-    nat = lse / math.log2(math.e)
-    want = torch.logaddexp(torch.where(torch.isposinf(ref_lse), -math.inf, ref_lse), kw["attn_sink"][None, :])
-    assert torch.allclose(nat, want, atol=1e-3)  # log2, sink folded in
-    assert torch.allclose(lse[0], kw["attn_sink"] * math.log2(math.e))  # empty token: just the sink
-    assert torch.isfinite(out).all()
-    err = (out.float() - ref_out).flatten(1).norm(dim=1)
-    scale = ref_out.flatten(1).norm(dim=1)
-    assert (err[scale == 0] == 0).all() and (err[scale > 0] / scale[scale > 0]).max() <= OUT_REL_L2_MAX["bf16"]
+    ref_kw = dict(kw, sm_scale=0.05)
+    ref_out, ref_lse = reference_decode(q, cache, idx, **ref_kw)
+    # log2 with the sink folded in: log2(exp(lse) + exp(sink)), the empty token's just the sink
+    want = convert_lse(ref_lse, kw["attn_sink"], "log2_with_sink")
+    assert torch.allclose(lse.double(), want, rtol=LSE_TOL, atol=LSE_TOL), f"[seed {seed}] lse"
+    assert torch.allclose(lse[0].double(), kw["attn_sink"].double() * math.log2(math.e), rtol=LSE_TOL)
+    # the same call with the lse in this library's convention: out and lse against the reference
+    out_nat, lse_nat = trtllm_batch_decode_sparse_mla_dsv4(
+        q, cache, None, idx, compressed_kv_cache=kw["extra_kv_cache"], sparse_topk_lens=kw["topk_length"],
+        bmm1_scale=0.05, sinks=kw["attn_sink"], kv_layout="NHD", extra_sparse_indices=kw["extra_indices"],
+        extra_sparse_topk_lens=kw["extra_topk_length"], return_lse=True, lse_convention="natural")
+    assert torch.equal(out_nat, out)
+    _check(out_nat, lse_nat, q, cache, idx, ref_kw, seed, "trtllm_batch_decode_sparse_mla_dsv4")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "f16", "fp8"])
 def test_out_of_range_indices_are_never_read(precision):
-    gen = torch.Generator().manual_seed(1)
+    gen, seed = _gen(f"out of range {precision}")
     cache = make_cache(8, 64, device=DEV, gen=gen)
     n = 8 * 64
     bad = torch.tensor([-1, -2, INT32_MIN, INT32_MAX, n, n + 1], dtype=torch.int32)
@@ -220,13 +245,12 @@ def test_out_of_range_indices_are_never_read(precision):
     idx[3, 6:] = -1  # token 3: only invalid entries
     q = torch.randn(4, 8, 512, generator=gen).bfloat16().to(DEV)
     out, lse = sparse_mla_decode(q, cache, idx, precision=precision)
-    ref_out, ref_lse = reference_decode(q, cache, idx)
-    check_against_reference(out, lse, ref_out, ref_lse, precision)
+    _check(out, lse, q, cache, idx, {}, seed, "out of range", precision)
     assert torch.isposinf(lse[3]).all() and (out[3] == 0).all()
 
 
 def test_soak_10000_calls():
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen, seed = _gen("soak")
     shapes = [(T, H, topk, extra) for T, H, topk, extra in
               [(1, 16, 128, 0), (2, 8, 192, 512), (5, 64, 256, 0), (7, 128, 128, 64), (3, 4, 100, 1024),
                (16, 16, 512, 0), (1, 32, 1152, 512), (65, 16, 64, 0)]]
@@ -246,7 +270,7 @@ def test_soak_10000_calls():
         q, cache, idx, kw = pool[torch.randint(0, len(pool), (1,), generator=gen).item()]
         out, lse = sparse_mla_decode(q, cache, idx, **kw)
         if i % 500 == 0:
-            check_against_reference(out, lse, *reference_decode(q, cache, idx, **kw))
+            _check(out, lse, q, cache, idx, kw, seed, f"soak call {i}")
             q.copy_(torch.randn(q.shape, generator=gen).bfloat16())
     torch.cuda.synchronize()
     del out, lse
@@ -254,10 +278,12 @@ def test_soak_10000_calls():
 
 
 def test_core_api_lse_convention_is_explicit():
-    q, cache, idx, kw = _inputs(T=3)
-    out, lse = sparse_mla_decode(q, cache, idx, **kw)
-    out2, lse2 = sparse_mla_decode(q, cache, idx, lse_convention="log2_with_sink", **kw)
-    assert torch.equal(out, out2)
-    from dispatch.adapters import convert_lse
-
-    assert torch.equal(lse2, convert_lse(lse, kw["attn_sink"], "log2_with_sink"))
+    gen, seed = _gen("lse convention")
+    q, cache, idx, kw = _inputs(T=3, gen=gen)
+    out, lse = sparse_mla_decode(q, cache, idx, lse_convention="log2_with_sink", **kw)
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    want = convert_lse(ref_lse, kw["attn_sink"], "log2_with_sink")
+    assert torch.allclose(lse.double(), want, rtol=LSE_TOL, atol=LSE_TOL), f"[seed {seed}] lse"
+    natural_out, natural_lse = sparse_mla_decode(q, cache, idx, **kw)
+    assert torch.equal(out, natural_out)
+    _check(natural_out, natural_lse, q, cache, idx, kw, seed, "natural lse")

@@ -62,7 +62,7 @@ def page_division_magic(page_block_size: int) -> int:
     every slot in [0, 2**31) (Granlund-Montgomery: l = ceil(log2(page)), s = 31 + l,
     m = ceil(2**s / page) < 2**32, and m * page - 2**s < page <= 2**l). On the GPU the
     quotient is one 32 x 32 -> 64-bit multiply and a shift, where a division by a runtime
-    value is a dozen instructions per row located (``SparseMlaPartialKernel._row_location``)."""
+    value is a dozen instructions per row located (``gather.ChunkGather.row_location``)."""
     if not isinstance(page_block_size, int) or isinstance(page_block_size, bool) or page_block_size < 1:
         raise ValueError(f"page_block_size must be a positive int, got {page_block_size!r}")
     shift = 31 + (page_block_size - 1).bit_length()

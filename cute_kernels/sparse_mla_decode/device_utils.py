@@ -1,4 +1,4 @@
-"""Small device-side pieces both decode kernels use (CuTe DSL)."""
+"""Small device-side pieces the decode kernels share: scalar loads and stores, copies (CuTe DSL)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ LN_2 = math.log(2.0)
 def load_i32(addr: Int64) -> Int32:
     """Scalar int32 load from a global-memory byte address."""
     return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4), cute.make_layout(1))[0]
+
+
+def smem_scalar(dtype, addr):
+    """One element at a shared-memory address."""
+    return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=dtype.width // 8),
+                            cute.make_layout(1))
 
 
 def smem_vec(dtype, addr, n):

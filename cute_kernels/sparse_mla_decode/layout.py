@@ -1,6 +1,6 @@
 """The DeepSeek-V4 "MODEL1" FP8 sparse-MLA cache layout, as numbers.
 
-Per page block of P tokens (see ``../shared/notes/dsv4_sparse_mla.md``):
+Per page block of P tokens (FlashMLA's sparse FP8 "MODEL1" layout):
 
 - bytes ``[0, P*576)``: token t at ``t*576``: 448 FP8 e4m3 bytes (the "nope" dims, 7 tiles
   of 64), then 64 bf16 "rope" values (128 bytes);
@@ -11,6 +11,7 @@ A block may be followed by padding: the block stride is read from the tensor, ne
 """
 
 D_QK = 512  # query/key width: 448 nope + 64 rope
+DEFAULT_SM_SCALE = D_QK ** -0.5  # the softmax scale when a caller gives none
 D_V = 512  # value width: the same latent
 D_NOPE = 448
 D_ROPE = 64

@@ -9,24 +9,14 @@ One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
     sink  : out *= 1 / (1 + exp(sink_h - lse)); lse unchanged
     empty : (every split empty) out = 0, lse = +inf
 
-Measured (H200, BENCHMARKS.md `7aea358` against the entry before it): launched as a
-programmatic dependent of the partial kernel, with the split weights in shared memory so
-that eight splits' partial outputs are loaded at once, T=1 x 16 x 1024 went from 16.9 to
-14.8 us (together with the partial kernel's cp.async indices). The loop it replaced (each
-split's lse loaded in the loop, four splits unrolled) took 9.4 us under ncu for 32 splits
-of 1 x 128 x 1024.
-Loading the first ``MergeConfig.split_batch`` splits' partial outputs together with the lse
-values (2026-12-01, scripts/split_sweep.py): 1 x 16 x 1024 12.5 -> 11.2 us, 1 x 64 x 1024
-13.3 -> 12.3, 1 x 128 x 1024 13.8 -> 13.1; a batch of 32 for every call (164 registers) cost
-8 x 128 x 128 2.5 us (fewer merge CTAs per SM), hence 8 or 32 per call (``merge_batch_for``).
-Partial outputs in bf16 instead of f32 (2026-12-02, half the scratch bytes, the partial kernel
-storing and this kernel loading bf16): 1.005x over the 36 FlashMLA shapes, T=1 up to 4% slower:
-the merge's tail is latency, not bytes; f32 kept.
+It is launched as a programmatic dependent of the partial kernel (its CTAs start while the
+partial kernel's last wave runs, and wait for it before reading), and loads the first
+``split_batch`` splits' partial outputs together with the lse values: one round trip for a
+call with up to that many splits (``tuning.MERGE_BATCHES``, ``docs/tuning.md``).
 """
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
@@ -34,11 +24,11 @@ from cutlass.memory import SmemAllocator
 
 from .config import MergeConfig
 from .device_utils import LN_2, load_f32, sink_gate, store_f32
+from .kernel_args import MERGE_ARGS, KernelParams, fake_args, launcher_signature
 from .layout import D_V
 
 
-
-class SparseMlaMergeKernel:
+class MergeKernel:
     """The combine kernel for one ``MergeConfig``; ``__call__`` is the ``cute.jit`` launcher."""
 
     def __init__(self, cfg: MergeConfig):
@@ -48,55 +38,23 @@ class SparseMlaMergeKernel:
 
     def fake_args(self) -> list:
         """Stand-ins for every ``__call__`` argument, to compile with no tensors and no GPU."""
-        from cutlass.cute.runtime import make_fake_stream, make_ptr
+        return fake_args(MERGE_ARGS)
 
-        def ptr(dtype, align):
-            return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+    def _launch(self, *args):
+        """Launch on the arguments of ``MERGE_ARGS``, in order, the stream last (``__call__``)."""
+        p = KernelParams(MERGE_ARGS, args)
+        self.kernel(p.for_device()).launch(grid=(p.num_tokens, p.num_heads, 1), block=(self.cfg.num_threads, 1, 1),
+                                           stream=args[-1], use_pdl=True)
 
-        return [
-            ptr(Float32, 16), ptr(Float32, 4), Int32(1), Int32(1), Int32(1), ptr(Float32, 4),
-            ptr(BFloat16, 8), Int64(0), Int64(0), ptr(Float32, 4), Int64(0), Int64(0), make_fake_stream(),
-        ]
-
-    @cute.jit
-    def __call__(
-        self,
-        o_part: cute.Pointer,  # f32 [T, S, H, 512]
-        lse_part: cute.Pointer,  # f32 [T, S, H], log2 units
-        num_tokens: Int32,
-        num_splits: Int32,
-        num_heads: Int32,
-        attn_sink: cute.Pointer,  # f32 [H] (read only when cfg.has_sink)
-        out: cute.Pointer,  # bf16 [T, H, 512], rows 8-byte aligned
-        out_stride_t: Int64,  # elements
-        out_stride_h: Int64,
-        lse: cute.Pointer,  # f32 [T, H]
-        lse_stride_t: Int64,
-        lse_stride_h: Int64,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            o_part, lse_part, num_splits, num_heads, attn_sink,
-            out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h,
-        ).launch(grid=(num_tokens, num_heads, 1), block=(self.cfg.num_threads, 1, 1), stream=stream,
-                 use_pdl=True)
+    # the cute.jit entry point, with the schema's named, typed parameters
+    __call__ = cute.jit(launcher_signature(MERGE_ARGS)(_launch))
 
     @cute.kernel
-    def kernel(
-        self,
-        o_part: cute.Pointer,
-        lse_part: cute.Pointer,
-        num_splits: Int32,
-        num_heads: Int32,
-        attn_sink: cute.Pointer,
-        out: cute.Pointer,
-        out_stride_t: Int64,
-        out_stride_h: Int64,
-        lse: cute.Pointer,
-        lse_stride_t: Int64,
-        lse_stride_h: Int64,
-    ):
+    def kernel(self, p: KernelParams):
         vec = self.vec
+        o_part, lse_part, num_splits, num_heads, attn_sink = p.o_part, p.lse_part, p.num_splits, p.num_heads, p.attn_sink
+        out, out_stride_t, out_stride_h, lse, lse_stride_t, lse_stride_h = (
+            p.out, p.out_stride_t, p.out_stride_h, p.lse, p.lse_stride_t, p.lse_stride_h)
         # Launched as a programmatic dependent of the partial kernel (PDL): its CTAs may start
         # while the partial kernel's last wave runs; nothing is read before every partial CTA
         # has finished and its writes are visible.
@@ -117,10 +75,10 @@ class SparseMlaMergeKernel:
         # pass 1: thread s loads split s's lse (num_splits <= num_threads, see splits.py), the
         # block max; then thread s keeps its split's weight 2**(lse_s - m) in shared memory
         nwarps = self.cfg.num_threads // 32
-        smem = SmemAllocator()
-        sMax = smem.allocate_tensor(Float32, cute.make_layout(nwarps), byte_alignment=16)
-        sSum = smem.allocate_tensor(Float32, cute.make_layout(nwarps), byte_alignment=16)
-        sW = smem.allocate_tensor(Float32, cute.make_layout(self.cfg.num_threads), byte_alignment=16)
+        alloc = self.cfg.smem_plan().allocator(SmemAllocator())
+        sMax = alloc.allocate("warp_max", Float32, cute.make_layout(nwarps))
+        sSum = alloc.allocate("warp_sum", Float32, cute.make_layout(nwarps))
+        sW = alloc.allocate("weights", Float32, cute.make_layout(self.cfg.num_threads))
         lse_s = -Float32.inf
         if tidx < num_splits:
             lse_s = gLse[tidx]

@@ -1,8 +1,9 @@
 """Split-K partial kernel, FP8 compute path (``PartialConfig.precision`` "fp8" or "mxf8").
 
-Same work split, gather pipeline, softmax and outputs as the bf16 kernel (``partial.py``,
-whose docstring describes them); what differs is the MMA step. Nothing is dequantized: the
-tensor cores read the gathered cache rows in shared memory as they are.
+Same work split, gather, S exchange, quad-form softmax and outputs as the "bf16" path
+(``partial.py``, ``gather.py``, ``softmax.py``, ``epilogue.py``); what differs is the MMA step.
+Nothing is dequantized: the tensor cores read the gathered cache rows in shared memory as they
+are.
 
 Per CTA (once): Q [heads, 512] is staged in shared memory; each head gets one power-of-two
 scale sq = 2**ceil(log2(amax / 448)) over its 448 nope dims, and every warp turns its part
@@ -20,7 +21,7 @@ per entry; the last warp has no second tile and computes zeros there) and rope c
   ``mma.m16n8k32``), the partial added to S times the entry's K scale 2**(b - 127);
   "mxf8": the block-scaled MMA applies 2**-4 / 2**0 (A) and the entry's byte b (B) itself.
 - QK, rope: bf16 ``mma.m16n8k16`` on the raw rows' bf16 rope bytes.
-- S exchange and online softmax as in the bf16 kernel.
+- S exchange and online softmax in the quad form (``softmax.py``).
 - PV, nope tile: P (<= 1 after the running max) times 2**(b - R + 8), R the running maximum
   of the tile's scale byte over the valid entries of the split so far (so P' <= 256 < 448),
   rounded to e4m3; the value fragments are the raw rows read by ``ldmatrix.x4.trans``
@@ -31,35 +32,19 @@ per entry; the last warp has no second tile and computes zeros there) and rope c
   accumulator is rescaled with the softmax correction; the epilogue multiplies by
   2**(R - 135).
 - PV, rope: P in bf16 times the raw bf16 rope rows (``ldmatrix.trans``).
-Invalid entries have zero rows (``_issue_rows`` zero-fills them) and probability 0.
+Invalid entries have zero rows (the gather zero-fills them) and probability 0.
 The rounding is ``fp8_model.KERNEL_FORM``.
 
-Measured facts (BENCHMARKS.md has the runs):
-- The H200 (sm_90) has no e4m3 ``mma.sync``: ptxas lowers each m16n8k32 e4m3 MMA to two
-  f16 HMMA.16816 and F2FP unpacks. The sm_90a main loop is 1267 instructions per thread
-  and chunk (two head groups) against 918 for sm_120a; ncu at T=64, H=64, topk=512: 21.8M
-  instructions executed against 13.9M for the bf16 kernel, 82 against 74 us. So on the
-  H200 this path is slower than bf16 on every bench shape and is not the default there;
-  its tests check its arithmetic, not its SM120 speed.
-- sm_120a main loop per thread and chunk (two head groups): "fp8" 918, "mxf8" 841, bf16 921.
-- A first version gave the rope to the last warp (its second unit) under a warp-dependent
-  branch: ptxas predicated both sides into every warp's stream (1000+ loop instructions).
-  Every warp now runs the same code. Q operands held in registers across the loop pushed
-  the one-group partial-mode kernel to 255 registers with spills; from shared memory: 0.
-- QK's n tiles two at a time (``QK_TILES_AT_ONCE``, session 8, 2026-12-01): one at a time,
-  ptxas issued each tile's 4 e4m3 MMAs back to back on one accumulator (23 of a chunk's MMAs
-  waiting on the one just before in "fp8", 22 in "mxf8": ``sass_check.LoopMix.chained_mma``);
-  now 0, and the sm_120a main loop (one head group, split mode) 931 -> 902 instructions
-  ("fp8", 212 -> 220 registers) and 847 -> 824 ("mxf8", 198 registers), no spills. On the
-  H200, where each e4m3 MMA is emulated (above), it measured 1-3% slower in one lease
-  (``scripts/bench.py --precision fp8 --tokens 8,64``: 64 x 128 x 1024 281.7 -> 290.4 us,
-  8 x 16 x 128 13.4 -> 13.6); kept for sm_120, where the chains are real e4m3 MMAs (the
-  "f16" kernel's same change was 4-5% faster on the H200); not measured on an SM120 GPU.
-- Accuracy (GPU suite, 27 cases): out relative L2 error 0.7e-2 .. 2.1e-2 per token, lse
-  at most 1.4e-6; the model of this rounding predicts the same (README "Precision").
+Measured (``docs/tuning.md``): the H200 (sm_90) has no e4m3 ``mma.sync``; ptxas lowers each
+m16n8k32 e4m3 MMA to two f16 HMMA and unpacks, so there this path runs 57% more instructions
+than "bf16" and is slower on every bench shape: its GPU tests check its arithmetic, not its
+SM120 speed. Accuracy: out relative L2 error 0.7e-2 .. 2.1e-2 per token (P in e4m3), lse
+f32-sized (``fp8_model.KERNEL_FORM`` models the rounding).
 """
 
 from __future__ import annotations
+
+import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -67,16 +52,18 @@ from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 from cutlass.memory import SmemAllocator
 
 from .config import FP8_Q_REGS as Q_REGS, RAW_ROW_STRIDE
-from .device_utils import smem_vec as _smem_vec, store_f32
-from .layout import D_NOPE, D_QK, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BIAS
-from .partial import SparseMlaPartialKernel
+from .device_utils import smem_vec as _smem_vec
+from .kernel_args import KernelParams
+from .layout import D_NOPE, FP8_E4M3_MAX, NUM_TILES, SCALE_BYTES, UE8M0_BIAS
+from .partial import PartialKernel
+from .softmax import exchange_s, quad_online_softmax
+from .tuning import FP8_QK_TILES_AT_ONCE as QK_TILES_AT_ONCE
 from .warp_ops import (
     byte_perm, f32_bits, ldsm_x4, mma_bf16, mma_e4m3, mma_mxf8, pack_bf16x2, pack_e4m3x4, pow2_f32,
     quantize_two_terms, ue8m0_scale, warp_max_u32,
 )
 
 UNIT = 64  # columns per nope unit: one scale tile
-QK_TILES_AT_ONCE = 2  # QK's 8-entry n tiles taken together (``_qk_nope``)
 P_HEADROOM_LOG2 = 8  # P' = P * 2**(b - R + 8) <= 256: inside e4m3's range, 8 binades above P
 
 
@@ -104,57 +91,21 @@ def _scale_exponent(amax: Float32) -> Int32:
     return cutlass.min(cutlass.max(e, -126), 127)
 
 
-class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
+class PartialFp8Kernel(PartialKernel):
     """The FP8-path partial kernel for one ``PartialConfig`` (precision "fp8" or "mxf8")."""
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.wpg = cfg.warps_per_group
+
+    def kernel_operands(self) -> tuple:
+        return self.tile_layout(self.hb), self.bf16_tiled_mma(), self.tiled_store(8)
+
     @cute.kernel
-    def kernel(
-        self,
-        q: cute.Pointer,
-        q_stride_t: Int64,
-        q_stride_h: Int64,
-        num_heads: Int32,
-        main_cache: cute.Pointer,
-        main_page: Int32,
-        main_page_magic: Int64,
-        main_block_stride: Int64,
-        main_num_slots: Int32,
-        main_idx: cute.Pointer,
-        main_idx_stride: Int64,
-        main_topk: Int32,
-        main_len: cute.Pointer,
-        extra_cache: cute.Pointer,
-        extra_page: Int32,
-        extra_page_magic: Int64,
-        extra_block_stride: Int64,
-        extra_num_slots: Int32,
-        extra_idx: cute.Pointer,
-        extra_idx_stride: Int64,
-        extra_topk: Int32,
-        extra_len: cute.Pointer,
-        sm_scale_log2: Float32,
-        chunks_per_split: Int32,
-        num_splits: Int32,
-        o_part: cute.Pointer,
-        lse_part: cute.Pointer,
-        out: cute.Pointer,
-        out_stride_t: Int64,
-        out_stride_h: Int64,
-        lse: cute.Pointer,
-        lse_stride_t: Int64,
-        lse_stride_h: Int64,
-        attn_sink: cute.Pointer,
-        kv_layout: cute.ComposedLayout,
-        q_layout: cute.ComposedLayout,
-        tiled_mma: cute.TiledMma,
-        tiled_store: cute.TiledCopy,
-        tiled_dequant: cute.TiledCopy,
-    ):
+    def kernel(self, p: KernelParams, q_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma,
+               tiled_store: cute.TiledCopy):
         bn, hb, hg = self.bn, self.hb, self.hg
-        if const_expr(not self.cfg.final_output):
-            cute.arch.griddepcontrol_launch_dependents()
-        tidx, _, _ = cute.arch.thread_idx()
-        token, head_block, split = self._block_coords(num_heads)
+        tidx, token, head_block, split = self.epilogue.start(p.num_heads)
         warp_id = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -175,23 +126,18 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
 
         # ---- shared memory: Q (bf16, then, after a barrier, every thread's Q operands in the
         # same bytes) and its per-head scales, then the gather's
-        smem = SmemAllocator()
-        sQbuf = smem.allocate_tensor(Uint8, cute.make_layout(self.cfg.q_region_bytes), byte_alignment=1024)
+        alloc = self.smem_plan.allocator(SmemAllocator())
+        sQbuf = alloc.allocate("q", Uint8, cute.make_layout(self.cfg.q_region_bytes))
         sQ = cute.make_tensor(cute.recast_ptr(sQbuf.iterator, dtype=BFloat16), q_layout)
-        sQexp = smem.allocate_tensor(Int32, cute.make_layout(hb), byte_alignment=16)  # per-head log2(sq)
+        sQexp = alloc.allocate("q_exponents", Int32, cute.make_layout(hb))  # per-head log2(sq)
         q_base = sQbuf.iterator.toint()
-        ctx = self._gather_context(
-            smem, tidx, token, split, chunks_per_split,
-            (main_cache, main_page, main_page_magic, main_block_stride, main_num_slots, main_idx, main_idx_stride,
-             main_topk, main_len),
-            (extra_cache, extra_page, extra_page_magic, extra_block_stride, extra_num_slots, extra_idx,
-             extra_idx_stride, extra_topk, extra_len),
-        )
+        ctx = self.gather.context(alloc, self.quad_s_exchange_layout(), tidx, token, split, p)
         sMask, sS, c_begin, c_end, raw_base = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end, ctx.raw_base
-        # the epilogue's addresses, taken at the top level (see _gather_context)
-        sink_addr, lse_part_addr, lse_addr = attn_sink.toint(), lse_part.toint(), lse.toint()
-        self._stage_q(q, q_stride_t, q_stride_h, num_heads, token, head0, sQ, tiled_store, tidx)
-        self._start_pipeline(ctx, c_begin, c_end)  # waits for Q and the first indices
+        # the epilogue's addresses, taken at the top level (see ChunkGather.context)
+        sink_addr, lse_part_addr, lse_addr = p.attn_sink.toint(), p.lse_part.toint(), p.lse.toint()
+        sm_scale_log2 = p.sm_scale_log2
+        self.stage_q(p, token, head0, sQ, tiled_store, tidx)
+        self.gather.start_pipeline(ctx, c_begin, c_end)  # waits for Q and the first indices
 
         # ---- per-head Q scale: 8 threads per head, each the max of 56 nope values
         qh = tidx // 8
@@ -249,10 +195,10 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
             step = c - c_begin
             stage = step % self.stages
             buf = step % self.slots
-            self._next_chunk(ctx, c, c_end, step)
+            self.gather.next_chunk(ctx, c, c_end, step)
             valid_rows = sMask[buf]
-            stage_base = raw_base + stage * self.stage_bytes
-            scale_base = stage_base + self.scale_off
+            stage_base = raw_base + stage * self.gather.stage_bytes
+            scale_base = stage_base + self.gather.scale_off
 
             # the scale bytes of this warp's two tiles: per thread for its 8 entries; per lane
             # for entry `lane`, masked by validity, for the running maximum R of each tile
@@ -277,44 +223,10 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
                 self._qk_nope(acc_S, q_frag, sbytes, bscale, u, stage_base + (wq if u == 0 else tile1) * UNIT, lane)
             self._qk_rope(acc_S, q_frag, stage_base + D_NOPE + wq * 32, lane)
 
-            # S exchange between the group's warps, then the full S in every warp
-            for w in cutlass.range_constexpr(self.wpg):
-                if wq == w:
-                    cute.autovec_copy(acc_S, tSsS[w])
-            if const_expr(self.groups > 1):
-                cute.arch.barrier(barrier_id=1 + group, number_of_threads=32 * self.wpg)
-            else:
-                cute.arch.sync_threads()
-            acc_S.store(tSsS[0].load())
-            for w in cutlass.range_constexpr(1, self.wpg):
-                acc_S.store(acc_S.load() + tSsS[w].load())
-
-            # online softmax (log2 units; row r's scores times sm_scale * log2(e) * sq)
-            correction = [Float32(1.0), Float32(1.0)]
-            for r in cutlass.range_constexpr(2):
-                m_chunk = -Float32.inf
-                for j in cutlass.range_constexpr(4):
-                    for i in cutlass.range_constexpr(2):
-                        col = tScS[2 * r + i, 0, j][1]
-                        s = acc_S[4 * j + 2 * r + i] * row_scale[r]
-                        if (valid_rows >> col) & 1 == 0:
-                            s = -Float32.inf
-                        acc_S[4 * j + 2 * r + i] = s
-                        m_chunk = cute.arch.fmax(m_chunk, s)
-                m_chunk = self._quad_allreduce(m_chunk, cute.arch.fmax)
-                m_new = cute.arch.fmax(row_max[r], m_chunk)
-                m_base = m_new
-                if m_new == -Float32.inf:
-                    m_base = Float32(0.0)
-                correction[r] = cute.math.exp2(row_max[r] - m_base, fastmath=True)
-                psum = Float32(0.0)
-                for j in cutlass.range_constexpr(4):
-                    for i in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(acc_S[4 * j + 2 * r + i] - m_base, fastmath=True)
-                        acc_S[4 * j + 2 * r + i] = p
-                        psum = psum + p
-                row_sum[r] = row_sum[r] * correction[r] + psum
-                row_max[r] = m_new
+            # the group's full S in every warp; the online softmax (row r's scores times
+            # sm_scale * log2(e) * sq); the accumulators rescaled
+            exchange_s(acc_S, tSsS, wq, group, self.wpg, self.groups)
+            correction = quad_online_softmax(acc_S, tScS, valid_rows, row_scale, row_max, row_sum)
             for u in cutlass.range_constexpr(3):  # nope units 0, 1, then the rope columns
                 for r in cutlass.range_constexpr(2):
                     f = correction[r]
@@ -330,22 +242,32 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
             self._pv_rope(acc_O, acc_S, stage_base + D_NOPE + wq * 32, lane)
 
         # ---- epilogue: nope units times 2**(R - 135) (the value scales were folded into P
-        # relative to R, with 8 binades of headroom); the rope columns as accumulated
+        # relative to R, with 8 binades of headroom); the rope columns as accumulated. Row r of
+        # a nope unit: column 16 blk + 4 q + k is accumulator 32 u + 8 blk + 4 (k % 2) + 2 r +
+        # k // 2 (even / odd column MMAs); of the rope: column 8 n + 2 q + i is 64 + 4 n + 2 r + i
         scale = [ue8m0_scale(r_byte[u]) * (1.0 / (1 << P_HEADROOM_LOG2)) for u in range(2)]
-        for r in cutlass.range_constexpr(2):
-            total = self._quad_allreduce(row_sum[r], lambda a, b: a + b)
-            head = ghead0 + g + 8 * r
-            if head < num_heads:
-                gate, lse2 = self._gate_and_lse2(total, row_max[r], sink_addr, head)
-                out_ctx = (token, split, num_splits, num_heads, head, o_part, out, out_stride_t, out_stride_h)
-                self._store_nope_unit(acc_O, 0, r, gate * scale[0], wq * UNIT, qd, out_ctx)
-                if has_unit1:
-                    self._store_nope_unit(acc_O, 1, r, gate * scale[1], (wq + self.wpg) * UNIT, qd, out_ctx)
-                self._store_rope(acc_O, r, gate, D_NOPE + wq * 16, qd, out_ctx)
-                if wq == 0:
-                    if qd == 0:
-                        self._store_lse(total, lse2, token, split, num_splits, num_heads, head,
-                                        lse_part_addr, lse_addr, lse_stride_t, lse_stride_h)
+
+        store_row = functools.partial(self._store_row, acc_O, scale, has_unit1, wq, qd)
+        self.quad_epilogue(p, row_sum, row_max, token, split, ghead0, g, qd, wq, store_row, sink_addr,
+                           lse_part_addr, lse_addr)
+
+    @cute.jit
+    def _store_row(self, acc_O, scale, has_unit1, wq, qd, r: int, gate: Float32, out_ctx):
+        """Head row r of this thread's output columns: its nope units times ``gate * scale[u]``
+        (unit 1 only where the warp has a second tile), its rope columns times ``gate``."""
+        for u in cutlass.range_constexpr(2):
+            f = gate * scale[u]
+            for blk in cutlass.range_constexpr(4):
+                vals = [acc_O[32 * u + 8 * blk + 4 * (k % 2) + 2 * r + k // 2] * f for k in range(4)]
+                col = (wq + u * self.wpg) * UNIT + 16 * blk + 4 * qd
+                if const_expr(u == 0):
+                    self.epilogue.store_out(vals, col, *out_ctx)
+                else:
+                    if has_unit1:
+                        self.epilogue.store_out(vals, col, *out_ctx)
+        for n in cutlass.range_constexpr(2):
+            self.epilogue.store_out([acc_O[64 + 4 * n + 2 * r + i] * gate for i in range(2)],
+                                    D_NOPE + wq * 16 + 8 * n + 2 * qd, *out_ctx)
 
     # ------------------------------------------------------------------ setup pieces
     @cute.jit
@@ -477,31 +399,3 @@ class SparseMlaPartialFp8Kernel(SparseMlaPartialKernel):
                 d = mma_bf16(d, a[s], v[2 * s:2 * s + 2])
             for k in cutlass.range_constexpr(4):
                 acc_O[64 + 4 * n + k] = d[k]
-
-    @cute.jit
-    def _store_nope_unit(self, acc_O, u: int, r: int, factor: Float32, col0, qd, out_ctx):
-        """Row r of a nope unit: column 16 blk + 4 qd + k is accumulator 32 u + 8 blk +
-        4 (k % 2) + 2 r + k // 2 (even/odd column MMAs, c0/c1 two columns apart)."""
-        for blk in cutlass.range_constexpr(4):
-            for k in cutlass.range_constexpr(4):
-                self._store_out(acc_O[32 * u + 8 * blk + 4 * (k % 2) + 2 * r + k // 2] * factor,
-                                col0 + 16 * blk + 4 * qd + k, *out_ctx)
-
-    @cute.jit
-    def _store_rope(self, acc_O, r: int, factor: Float32, col0, qd, out_ctx):
-        """Row r of the warp's 16 rope columns: column 8 n + 2 qd + i is 64 + 4 n + 2 r + i."""
-        for n in cutlass.range_constexpr(2):
-            for i in cutlass.range_constexpr(2):
-                self._store_out(acc_O[64 + 4 * n + 2 * r + i] * factor, col0 + 8 * n + 2 * qd + i, *out_ctx)
-
-    @cute.jit
-    def _store_out(self, value: Float32, col, token, split, num_splits, num_heads, head, o_part, out,
-                   out_stride_t, out_stride_h):
-        """One output value: bf16 out (final mode) or the f32 split partial."""
-        if const_expr(self.cfg.final_output):
-            addr = out.toint() + (Int64(token) * out_stride_t + Int64(head) * out_stride_h + Int64(col)) * 2
-            cute.make_tensor(cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=2),
-                             cute.make_layout(1))[0] = BFloat16(value)
-        else:
-            store_f32(o_part.toint() + (((Int64(token) * num_splits + split) * num_heads + head) * D_QK + col) * 4,
-                      value)

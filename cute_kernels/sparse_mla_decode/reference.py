@@ -1,6 +1,6 @@
-"""Float32 reference of DeepSeek-V4 sparse MLA decode (FlashMLA's sparse-decode semantics).
+"""Reference of DeepSeek-V4 sparse MLA decode (FlashMLA's sparse-decode semantics) in torch.
 
-The oracle every test compares against. Plain torch, no CUTLASS.
+The oracle every test compares against, in float64 by default. Plain torch, no CUTLASS.
 
 For each query token t and head h, over the valid entries j of the main list and of the
 extra list together (ONE softmax):
@@ -15,12 +15,10 @@ extra list together (ONE softmax):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .cache_format import gather_slots, read_cache_view
-from .layout import D_QK
+from .layout import DEFAULT_SM_SCALE
 
 
 def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None) -> torch.Tensor:
@@ -32,11 +30,11 @@ def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tens
     return valid
 
 
-def _scores_and_values(q, cache, indices, topk_length, sm_scale):
+def _scores_and_values(q, cache, indices, topk_length, sm_scale, dtype):
     view = read_cache_view(cache)
     valid = valid_entries(indices, view.num_slots, topk_length)
-    rows = gather_slots(view, torch.where(valid, indices.long(), 0))  # [T, k, 512]
-    scores = torch.einsum("thd,tkd->thk", q.float(), rows) * sm_scale
+    rows = gather_slots(view, torch.where(valid, indices.long(), 0)).to(dtype)  # [T, k, 512], exact
+    scores = torch.einsum("thd,tkd->thk", q.to(dtype), rows) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     return scores, rows
 
@@ -52,13 +50,16 @@ def reference_decode(
     extra_kv_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
 ):
-    """Return ``(out float32 [T, H, 512], lse float32 [T, H])`` for ``q [T, H, 512]``, ``indices [T, topk]``."""
+    """Return ``(out [T, H, 512], lse [T, H])`` in ``dtype`` (float64 by default: the test
+    oracle) for ``q [T, H, 512]``, ``indices [T, topk]``. The cache values are exact in
+    float32, so ``dtype`` decides only the arithmetic's rounding."""
     if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D_QK)
-    scores, rows = _scores_and_values(q, kv_cache, indices, topk_length, sm_scale)
+        sm_scale = DEFAULT_SM_SCALE
+    scores, rows = _scores_and_values(q, kv_cache, indices, topk_length, sm_scale, dtype)
     if extra_kv_cache is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
-        s2, r2 = _scores_and_values(q, extra_kv_cache, extra_indices, extra_topk_length, sm_scale)
+        s2, r2 = _scores_and_values(q, extra_kv_cache, extra_indices, extra_topk_length, sm_scale, dtype)
         scores = torch.cat([scores, s2], dim=-1)
         rows = torch.cat([rows, r2], dim=1)
     lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
@@ -74,7 +75,7 @@ def apply_sink_and_empty(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.
     token with no valid entry."""
     empty = torch.isneginf(lse)
     if attn_sink is not None:
-        gate = torch.sigmoid(lse - attn_sink.float()[None, :])
+        gate = torch.sigmoid(lse - attn_sink.to(lse.dtype)[None, :])
         out = out * torch.where(empty, 0.0, gate)[..., None]
     out = out.masked_fill(empty[..., None], 0.0)
     lse = lse.masked_fill(empty, float("inf"))

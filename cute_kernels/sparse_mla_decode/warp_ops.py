@@ -1,9 +1,9 @@
-"""Register-level PTX the FP8 partial kernel issues by hand (CuTe DSL, inline asm).
+"""Register-level PTX the "f16" and FP8 partial kernels issue by hand (CuTe DSL, inline asm).
 
-The FP8 path feeds the tensor cores straight from the gathered cache rows and from
-registers built in the kernel (quantized Q, requantized probabilities), in fragment orders
-the kernel chooses (see ``partial_fp8.py``), so it works on 32-bit fragment registers
-rather than on CuTe fragments. Everything here is one PTX instruction or a short fixed
+These paths feed the tensor cores straight from the gathered cache rows and from registers
+built in the kernel (converted or quantized Q, the probabilities), in fragment orders the
+kernels choose (``partial_f16.py``, ``partial_fp8.py``), so they work on 32-bit fragment
+registers rather than on CuTe fragments. Everything here is one PTX instruction or a short fixed
 sequence; the target needs sm_89+ (e4m3 MMA and conversions), ``mma_mxf8`` sm_120a/sm_121a.
 
 Fragment conventions (PTX ISA, ``mma.m16n8k32`` with .e4m3, ``mma.m16n8k16`` with .bf16;
@@ -67,8 +67,8 @@ def mma_mxf8(c: list, a: list, b: list, sfa: Int32, sfb: Int32) -> list:
     """d = (a * 2**(sfa - 127)) * (b * 2**(sfb - 127)) + c per row of A / column of B: the
     SM120 block-scaled ``mma.sync.m16n8k32`` (kind::mxf8f6f4, e4m3 x e4m3 -> f32, one UE8M0
     scale per row of A / column of B and 32 k values: scale_vec::1X), byte and thread
-    selectors 0. Scale map with selectors 0, as probed on sm_121a by a public project (the
-    PTX ISA's table reads differently; this project cannot run it): byte 0 of ``sfa`` in
+    selectors 0. Scale map with selectors 0, as measured on an sm_121a GPU outside this
+    project (the PTX ISA's table reads differently): byte 0 of ``sfa`` in
     quad column 0 scales row g, in quad column 1 row g + 8; byte 0 of ``sfb`` in quad
     column 0 scales column g. sm_120a/sm_121a only: compiled and SASS-checked here, never
     executed by this project's tests (the test GPU is an sm_90 H200)."""

@@ -1,4 +1,6 @@
-"""Random DSV4 decode inputs for tests and benchmarks: caches, lists, lengths, sinks."""
+"""Random DSV4 decode inputs: caches in the MODEL1 FP8 layout and lists of slots, for trying
+the kernels, tests and benchmarks (CPU or GPU tensors; the packer is the package's own,
+``cute_kernels.sparse_mla_decode.cache_format.pack_latent``)."""
 
 from __future__ import annotations
 

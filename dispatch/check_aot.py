@@ -1,7 +1,9 @@
-"""Check, on a GPU, that an AOT manifest serves the whole deployment registry with no compile.
+"""Check, on a GPU, that an AOT build serves the whole deployment registry with no compile:
+``dsv4-mla-check-aot``.
 
-    python scripts/aot_build.py --arch sm_90a --out /tmp/aot      # once (any machine)
-    python scripts/check_aot_serving.py --aot-dir /tmp/aot        # a fresh process on the GPU
+    dsv4-mla-aot-build --out build/aot                       # once, on any machine (sm_120a, sm_121a)
+    dsv4-mla-check-aot --aot-dir build/aot                   # on the GPU, a fresh process
+    dsv4-mla-check-aot                                       # the manifest of an installed wheel
 
 Runs every shape of ``dispatch.registry.DEPLOYMENT_SHAPES`` at one token and at 300 tokens
 (one split and several), cycling through the optional inputs so that every registry variant
@@ -21,20 +23,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def serve_registry(aot_dir: str) -> int:
+def serve_registry(aot_dir: str | None) -> int:
     import torch
 
     from cute_kernels.sparse_mla_decode.reference import reference_decode
-    from dispatch import loader, sparse_mla_decode
-    from dispatch.registry import DEPLOYMENT_SHAPES
-    from tests.dsv4_inputs import make_cache
 
-    loader.set_aot_dir(aot_dir)
+    from . import loader, sparse_mla_decode
+    from .registry import DEPLOYMENT_SHAPES
+    from .testing import make_cache
+
+    if aot_dir is not None:
+        loader.set_aot_dir(aot_dir)
     loader.set_require_aot(True)  # any compile would raise MissingAotVariant
     gen = torch.Generator().manual_seed(0)
     pages = sorted({s.page_block_size for s in DEPLOYMENT_SHAPES} |
@@ -80,11 +81,10 @@ def serve_registry(aot_dir: str) -> int:
 
 
 _ONE = """
-import json, sys
-sys.path.insert(0, {root!r})
+import json
 import torch
 from dispatch import loader, sparse_mla_decode
-from tests.dsv4_inputs import make_cache
+from dispatch.testing import make_cache
 loader.set_aot_dir({empty!r})
 loader.PACKAGE_AOT_DIR = loader.Path({empty!r})
 cache = make_cache(8, 64, device="cuda")
@@ -98,7 +98,7 @@ print(json.dumps(loader.stats))
 def disk_cache() -> int:
     cache_dir, empty = tempfile.mkdtemp(), tempfile.mkdtemp()
     env = {**os.environ, "DSV4_MLA_CACHE_DIR": cache_dir}
-    script = _ONE.format(root=str(Path(__file__).resolve().parents[1]), empty=empty)
+    script = _ONE.format(empty=empty)
     results = []
     for _ in range(2):
         t0 = time.perf_counter()
@@ -110,8 +110,10 @@ def disk_cache() -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--aot-dir", help="serve the registry from this AOT manifest with compiling off")
+    ap = argparse.ArgumentParser(prog="dsv4-mla-check-aot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--aot-dir", help="serve the registry from this AOT manifest with compiling off "
+                                      "(default: $DSV4_MLA_AOT_DIR, then the installed package's)")
     ap.add_argument("--disk-cache", action="store_true", help="check the JIT disk cache across two processes")
     args = ap.parse_args(argv)
     if args.disk_cache:

@@ -1,0 +1,276 @@
+"""The gather pipeline every partial kernel shares: selected cache rows into shared memory.
+
+The chunks of a token are numbered main list first, then extra: chunk c < ceil(topk / 32)
+reads the main cache, the rest the extra cache. A CTA walks the chunks of its split
+[c_begin, c_end). Per chunk:
+
+- indices: one 4-byte ``cp.async`` per entry into an index buffer (``slot_buffers`` of them,
+  indexed by step), ``stages`` (or ``stages + 1``) chunks ahead of its compute, so that no
+  thread ever waits on a global load in the loop;
+- validity: an entry counts when it lies before the token's length (clamped to [0, topk]),
+  is not -1 and is a slot inside the cache; a ballot over the 32 entries gives the chunk's
+  mask (bit e: entry e is read);
+- rows: each counting entry's 576 data bytes (36 x 16-byte ``cp.async``) and its 8 scale
+  bytes land in a raw stage (``RAW_ROW_STRIDE`` bytes per row, then the scales), ``stages -
+  1`` chunks ahead. An entry that does not count is zero-filled by the same copies (src-size
+  0: nothing is read), which the kernels multiplying raw rows need (probability 0 times
+  stale bytes that decode as NaN is NaN).
+
+The row of slot s lives in page block s // page (the division by the host's multiplier,
+``cache_format.page_division_magic``), at ``block * block_stride + (s % page) * 576``; its
+scales in the block's footer at ``page * 576 + (s % page) * 8``.
+
+Two issuing forms: every thread of the CTA (``issue_rows``: a row's ``num_threads / 32``
+threads locate it once and copy every such-th piece), or one warp (``locate_rows`` then
+``copy_rows``: lane l locates entry l; lane 4r + p copies pieces p, p + 4, .. of each 8-entry
+group's row r), which the "f16" kernel's rope warp uses in its main loop.
+
+Tracing note (CuTe DSL 4.8.1): a namespace of DSL values passed into a helper with a dynamic
+branch has its entries rebound to the branch's results, which then escape their region (IR
+that does not verify): helpers read such attributes into locals before a branch, and each
+warp role of a kernel gets its own copy of the namespace.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from .config import RAW_ROW_STRIDE, PartialConfig
+from .device_utils import cp_async_zfill, load_i32
+from .layout import ROW_BYTES, SCALE_BYTES
+
+
+class ChunkGather:
+    """The gather of one ``PartialConfig``. ``index_thread0``: the first of the 32 threads
+    that issue a chunk's indices; ``index_chunks``: chunks whose indices the prologue issues
+    (at most ``slot_buffers``)."""
+
+    def __init__(self, cfg: PartialConfig, index_thread0: int = 0, index_chunks: int | None = None):
+        self.cfg = cfg
+        self.bn = cfg.block_n
+        self.nthr = cfg.num_threads
+        self.stages = cfg.stages
+        self.slots = cfg.slot_buffers
+        self.stage_bytes = cfg.stage_bytes
+        self.scale_off = cfg.block_n * RAW_ROW_STRIDE  # scales follow the rows in a stage
+        self.index_thread0 = index_thread0
+        self.index_chunks = cfg.stages if index_chunks is None else index_chunks
+        assert self.index_chunks <= self.slots
+
+    # ------------------------------------------------------------------ set-up
+    def context(self, alloc, s_exchange_layout, tidx, token, split, p) -> SimpleNamespace:
+        """Allocate the gather's shared memory (after the compute path's own regions: raw
+        stages, the S exchange laid out as ``s_exchange_layout``, validity masks, indices)
+        and gather what the issuing steps read about the two lists into a namespace; also
+        this split's chunk range [c_begin, c_end) and the S exchange tensor ``sS``."""
+        bn = self.bn
+        n_main_chunks = (p.main_topk + bn - 1) // bn
+        n_chunks = n_main_chunks + (p.extra_topk + bn - 1) // bn
+        c_begin = split * p.chunks_per_split
+        m_limit, e_limit = self._length_limits(p.main_len, p.main_topk, p.extra_len, p.extra_topk, token)
+        sRaw = alloc.allocate("raw_rows", cutlass.Uint8, cute.make_layout(self.stages * self.stage_bytes))
+        sS = alloc.allocate("s_exchange", cutlass.Float32, s_exchange_layout)
+        sMask = alloc.allocate("masks", Int32, cute.make_layout(self.slots))
+        sIdx = alloc.allocate("indices", Int32, cute.make_layout((bn, self.slots)))
+        return SimpleNamespace(
+            c_begin=c_begin, c_end=cutlass.min(c_begin + p.chunks_per_split, n_chunks), sS=sS,
+            # addresses taken here, at the top level: an iterator's toint() first evaluated
+            # inside a dynamic if is reused by later evaluations outside it (IR that does not verify)
+            tidx=tidx, n_main_chunks=n_main_chunks, raw_base=sRaw.iterator.toint(), sMask=sMask, sIdx=sIdx,
+            sidx_base=sIdx.iterator.toint(),
+            # per list: (index row address, topk, length limit, slots, page, its division magic,
+            # block stride, cache base address), as ``chunk_source`` returns them
+            main_list=(p.main_idx.toint() + Int64(token) * p.main_idx_stride * 4, p.main_topk, m_limit,
+                       p.main_num_slots, p.main_page, p.main_page_magic, p.main_block_stride, p.main_cache.toint()),
+            extra_list=(p.extra_idx.toint() + Int64(token) * p.extra_idx_stride * 4, p.extra_topk, e_limit,
+                        p.extra_num_slots, p.extra_page, p.extra_page_magic, p.extra_block_stride,
+                        p.extra_cache.toint()),
+            g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
+        )
+
+    @cute.jit
+    def _length_limits(self, main_len: cute.Pointer, main_topk: Int32, extra_len: cute.Pointer,
+                       extra_topk: Int32, token: Int32):
+        """How many leading entries of each list count for ``token`` (topk_length clamped to
+        [0, topk], or topk when the call has no length tensor)."""
+        main_limit = main_topk
+        if const_expr(self.cfg.has_topk_length):
+            main_limit = cutlass.max(cutlass.min(load_i32(main_len.toint() + Int64(token) * 4), main_topk), 0)
+        extra_limit = extra_topk
+        if const_expr(self.cfg.has_extra_topk_length):
+            extra_limit = cutlass.max(cutlass.min(load_i32(extra_len.toint() + Int64(token) * 4), extra_topk), 0)
+        return main_limit, extra_limit
+
+    @cute.jit
+    def start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
+        """The first ``index_chunks`` chunks' indices (cp.async, in the same group as any
+        copies the kernel started before, such as Q), a wait for them (visible to every thread
+        on return), then the first ``stages - 1`` chunks' rows by every thread (in flight,
+        one cp.async group each)."""
+        for k in cutlass.range_constexpr(self.index_chunks):
+            if c_begin + k < c_end:
+                self.issue_indices(ctx, c_begin + k, Int32(k))
+        cute.arch.cp_async_commit_group()  # group: the first indices (and Q)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # the indices visible
+        for k in cutlass.range_constexpr(self.stages - 1):
+            if c_begin + k < c_end:
+                self.issue_rows(ctx, c_begin + k, Int32(k), Int32(k))
+            cute.arch.cp_async_commit_group()  # group: rows of chunk c_begin + k
+
+    # ------------------------------------------------------------------ per chunk
+    @cute.jit
+    def next_chunk(self, ctx: SimpleNamespace, c: Int32, c_end: Int32, step: Int32, issue: cutlass.Constexpr = True):
+        """The head of every partial kernel's chunk loop: wait for chunk c's rows and for
+        chunk c + stages - 1's indices (and, by the barrier, for every warp to be done with
+        chunk c - 1, whose buffers are reused), then start chunk c + stages's indices and
+        chunk c + stages - 1's rows, in two cp.async groups in that order. The wait leaves
+        the newest stages - 2 groups in flight: with 2 stages none, with 3 the rows of chunk
+        c + 1 (issued after the indices now needed, which is why the indices go first).
+        ``issue=False``: only the barrier (for warps that issue no copies, or issue them on
+        their own schedule)."""
+        if const_expr(issue):
+            cute.arch.cp_async_wait_group(self.stages - 2)
+        cute.arch.sync_threads()
+        if const_expr(issue):
+            ahead = self.stages - 1
+            if c + ahead + 1 < c_end:
+                self.issue_indices(ctx, c + ahead + 1, (step + ahead + 1) % self.slots)
+            cute.arch.cp_async_commit_group()
+            if c + ahead < c_end:
+                self.issue_rows(ctx, c + ahead, (step + ahead) % self.stages, (step + ahead) % self.slots)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def chunk_source(self, ctx: SimpleNamespace, c: Int32):
+        """Where chunk ``c``'s entries live: (first list position, index row address, list
+        length (topk), length limit, slots in the cache, page block size, its division magic,
+        block stride, cache base address)."""
+        pos0 = c * self.bn
+        idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.main_list
+        if c >= ctx.n_main_chunks:
+            pos0 = (c - ctx.n_main_chunks) * self.bn
+            idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.extra_list
+        return pos0, idx_row, topk, limit, num_slots, page, magic, block_stride, base
+
+    @cute.jit
+    def issue_indices(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
+        """Threads index_thread0 .. + block_n - 1 start the cp.async of one index of chunk
+        ``c`` each into ``sIdx[:, buf]`` (positions past topk are not read: they are outside
+        the index row). The indices are checked when the rows are issued (``valid_slot``)."""
+        e = ctx.tidx - self.index_thread0
+        pos0, idx_row, topk, _, _, _, _, _, _ = self.chunk_source(ctx, c)
+        if e >= 0:
+            if e < self.bn:
+                if pos0 + e < topk:
+                    src = cute.make_tensor(
+                        cute.make_ptr(Int32, idx_row + Int64(pos0 + e) * 4, cute.AddressSpace.gmem, assumed_align=4),
+                        cute.make_layout(1),
+                    )
+                    dst = cute.make_tensor(
+                        cute.make_ptr(Int32, ctx.sidx_base + (buf * self.bn + e) * 4,
+                                      cute.AddressSpace.smem, assumed_align=4),
+                        cute.make_layout(1),
+                    )
+                    cute.copy(ctx.g2s_4, src, dst)
+
+    @cute.jit
+    def valid_slot(self, ctx: SimpleNamespace, e: Int32, buf: Int32, pos0: Int32, limit: Int32,
+                   num_slots: Int32) -> Int32:
+        """The cache slot of entry ``e`` of a chunk whose indices landed in ``sIdx[:, buf]``,
+        or -1 when the entry does not count (past the length limit, -1, or outside the cache)."""
+        sIdx = ctx.sIdx
+        slot = Int32(-1)
+        if pos0 + e < limit:
+            v = sIdx[e, buf]
+            if v >= 0:
+                if v < num_slots:
+                    slot = v
+        return slot
+
+    @staticmethod
+    def row_location(slot: Int32, page: Int32, magic: Int64, block_stride: Int64, base: Int64):
+        """(row address, scales address) of cache slot ``slot`` (>= 0) in a paged cache at
+        ``base``: rows first in each page block, the scales in its footer. The block is
+        slot // page by the host's multiplier (``cache_format.page_division_magic``)."""
+        blk = Int32((Int64(slot) * (magic & 0xFFFFFFFF)) >> (magic >> 32))
+        off = slot - blk * page
+        block_addr = base + Int64(blk) * block_stride
+        return block_addr + Int64(off) * ROW_BYTES, block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
+
+    @cute.jit
+    def issue_rows(self, ctx: SimpleNamespace, c: Int32, stage: Int32, buf: Int32):
+        """Every thread: start the cp.async gather of chunk ``c``'s rows and scales; its
+        indices landed in ``sIdx[:, buf]``. Warp 0 also records which entries count as a bit
+        mask in ``sMask[buf]``. The threads_per_row = num_threads / block_n consecutive threads
+        of a row check its index and locate it once, then issue every threads_per_row-th
+        16-byte piece: one warp-wide copy still covers 64 contiguous bytes of each of its rows."""
+        tidx, sMask = ctx.tidx, ctx.sMask
+        tpr = self.nthr // self.bn
+        pieces = ROW_BYTES // 16
+        pos0, _, _, limit, num_slots, page, magic, block_stride, base = self.chunk_source(ctx, c)
+        stage_base = ctx.raw_base + stage * self.stage_bytes
+        e = tidx // tpr
+        r = tidx % tpr
+        slot = self.valid_slot(ctx, e, buf, pos0, limit, num_slots)
+        if tidx < 32:  # warp 0: the validity mask (block_n == 32: one bit per lane)
+            mask = cute.arch.vote_ballot_sync(self.valid_slot(ctx, tidx, buf, pos0, limit, num_slots) >= 0)
+            if tidx == 0:
+                sMask[buf] = mask
+        row_addr, scale_addr = self.row_location(cutlass.max(slot, 0), page, magic, block_stride, base)
+        nbytes = Int32(slot >= 0) * 16
+        dst = stage_base + e * RAW_ROW_STRIDE
+        for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
+            piece = r + k * tpr
+            if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
+                cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
+            else:
+                if piece < pieces:
+                    cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
+        if r == tpr - 1:  # the row's scales: by the thread with the fewest pieces
+            cp_async_zfill(stage_base + self.scale_off + e * SCALE_BYTES, scale_addr, SCALE_BYTES, nbytes // 2)
+
+    # ------------------------------------------------------------------ one-warp form
+    @cute.jit
+    def locate_rows(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
+        """One warp: (validity mask, this lane's row address, its scales' address) of chunk
+        ``c``, whose indices are in ``sIdx[:, buf]``; the mask also into ``sMask[buf]`` (by the
+        warp's lane 0, thread ``index_thread0``). An invalid entry gets slot 0's addresses (the
+        copies read nothing)."""
+        tidx, sMask = ctx.tidx, ctx.sMask
+        lane = tidx % 32
+        pos0, _, _, limit, num_slots, page, magic, block_stride, base = self.chunk_source(ctx, c)
+        slot = self.valid_slot(ctx, lane, buf, pos0, limit, num_slots)
+        mask = cute.arch.vote_ballot_sync(slot >= 0)
+        if tidx == self.index_thread0:
+            sMask[buf] = mask
+        row_addr, scale_addr = self.row_location(cutlass.max(slot, 0), page, magic, block_stride, base)
+        return mask, row_addr, scale_addr
+
+    def copy_rows(self, stage_base, located, lane, groups, scales: bool):
+        """One warp: cp.async of the 8-entry groups ``groups`` of a located chunk
+        (``locate_rows``) into the stage at ``stage_base``; ``scales``: also each lane's
+        entry's scales. Lane 4r + p copies pieces p, p + 4, .. of the group's entry r (each
+        warp-wide copy: 64 contiguous bytes of 8 rows)."""
+        mask, row_addr, scale_addr = located
+        if scales:
+            cp_async_zfill(stage_base + self.scale_off + lane * SCALE_BYTES, scale_addr, SCALE_BYTES,
+                           ((mask >> lane) & 1) * 8)
+        addr_lo = Int32(row_addr & 0xFFFFFFFF)
+        addr_hi = Int32(row_addr >> 32)
+        r = lane // 4
+        p = lane % 4
+        for j in groups:
+            e = 8 * j + r
+            src = (Int64(cute.arch.shuffle_sync(addr_hi, e)) << 32) | (
+                Int64(cute.arch.shuffle_sync(addr_lo, e)) & 0xFFFFFFFF)
+            nbytes = ((mask >> e) & 1) * 16
+            dst = stage_base + e * RAW_ROW_STRIDE
+            for k in range(ROW_BYTES // 64):
+                piece = 16 * (p + 4 * k)
+                cp_async_zfill(dst + piece, src + piece, 16, nbytes)

@@ -1,0 +1,205 @@
+"""Split-K partial kernel, "bf16" path (``PartialConfig.precision == "bf16"``): the gathered
+rows dequantized into a bf16 tile, bf16 MMAs.
+
+Per CTA: Q [heads, 512] is staged in the tile (cp.async), then held in registers as bf16 A
+fragments. Warp w of a head group owns a 128-wide slice of the QK width and of the output.
+
+Per chunk of 32 entries:
+1. dequantize: the landed raw stage becomes the bf16 tile [32, 512] (8 x 64 swizzled atoms,
+   conflict-free ``ldmatrix`` both ways): e4m3 nope bytes times 2**(scale - 127), the bf16
+   rope as stored; a thread converts 16 columns at a time (one 16-byte load, one scale). An
+   entry that does not count arrived as zeros (``gather.py``) and becomes a row of 0.
+2. S_w = Q_w K_w^T (mma.sync m16n8k16 bf16 -> f32) over the warp's slice, the group's four
+   partial S summed through shared memory (``softmax.exchange_s``), the online softmax in the
+   quad form (``softmax.quad_online_softmax``).
+3. O_w += P V_w: P in bf16 straight from the S registers, V_w the tile read transposed.
+
+Precision: K, V and the scales are exact in bf16 (e4m3 has 3 mantissa bits); P is rounded to
+bf16 (8 bits); S, the softmax and the accumulators are f32.
+
+Measured (sm_120a SASS; ``docs/tuning.md``): the main loop is 1117 instructions per thread
+and chunk (16 heads) against the "f16" path's 320 / 340 (nope / rope warps), which is why
+"f16" is the default.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32
+from cutlass.cute.nvgpu import warp
+from cutlass.memory import SmemAllocator
+
+from .config import RAW_ROW_STRIDE
+from .device_utils import load_smem_u8
+from .kernel_args import KernelParams
+from .layout import D_NOPE, D_QK, SCALE_BYTES, TILE
+from .partial import PartialKernel
+from .softmax import exchange_s, quad_online_softmax
+from .tuning import DEQUANT_VALUES
+from .warp_ops import ue8m0_scale
+
+
+class PartialBf16Kernel(PartialKernel):
+    """The "bf16"-path partial kernel for one ``PartialConfig``."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.wpg = cfg.warps_per_group
+        self.wslice = D_QK // cfg.warps_per_group  # QK/output columns per warp
+
+    def kernel_operands(self) -> tuple:
+        return (self.tile_layout(self.bn), self.tile_layout(self.hb), self.bf16_tiled_mma(), self.tiled_store(8),
+                self.tiled_store(DEQUANT_VALUES))
+
+    @cute.kernel
+    def kernel(self, p: KernelParams, kv_layout: cute.ComposedLayout, q_layout: cute.ComposedLayout,
+               tiled_mma: cute.TiledMma, tiled_store: cute.TiledCopy, tiled_dequant: cute.TiledCopy):
+        bn, hb, hg = self.bn, self.hb, self.hg
+        tidx, token, head_block, split = self.epilogue.start(p.num_heads)
+        warp_id = tidx // 32
+        lane = tidx % 32
+        group = warp_id // self.wpg  # which 16 heads of the CTA this warp computes
+        wq = warp_id % self.wpg  # which 128-wide slice of QK and of the output
+        head0 = head_block * hb
+        ghead0 = head0 + group * hg  # first head of this warp's group
+
+        # ---- shared memory: the bf16 KV tile (Q is staged in it first), then the gather's
+        alloc = self.smem_plan.allocator(SmemAllocator())
+        sKV = alloc.allocate("kv_tile", BFloat16, kv_layout)
+        sQ = cute.make_tensor(sKV.iterator, q_layout)
+        ctx = self.gather.context(alloc, self.quad_s_exchange_layout(), tidx, token, split, p)
+        sMask, sS, c_begin, c_end = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end
+        # the epilogue's addresses, taken at the top level (see ChunkGather.context)
+        sink_addr, lse_part_addr, lse_addr = p.attn_sink.toint(), p.lse_part.toint(), p.lse.toint()
+        sm_scale_log2 = p.sm_scale_log2
+        self.stage_q(p, token, head0, sQ, tiled_store, tidx)
+        self.gather.start_pipeline(ctx, c_begin, c_end)
+
+        # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
+        thr_mma = tiled_mma.get_slice(lane)
+        sQ_w = cute.local_tile(sQ, (hg, self.wslice), (group, wq))
+        sK_w = cute.local_tile(sKV, (bn, self.wslice), (0, wq))
+        sVt = cute.composition(sKV, cute.make_layout((D_QK, bn), stride=(bn, 1)))
+        sVt_w = cute.local_tile(sVt, (self.wslice, bn), (wq, 0))
+
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_w))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, self.wslice)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        thr_ld_Q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(lane)
+        thr_ld_K = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(lane)
+        thr_ld_V = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
+        tSsQ = thr_ld_Q.partition_S(sQ_w)
+        tSrQ_v = thr_ld_Q.retile(tSrQ)
+        tSsK = thr_ld_K.partition_S(sK_w)
+        tSrK_v = thr_ld_K.retile(tSrK)
+        tOsVt = thr_ld_V.partition_S(sVt_w)
+        tOrVt_v = thr_ld_V.retile(tOrVt)
+
+        # Q stays in registers for the whole kernel.
+        for k in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
+            cute.copy(ldsm, tSsQ[None, None, k], tSrQ_v[None, None, k])
+        cute.arch.sync_threads()  # the KV tile is reused from here on
+
+        # S exchange views and the (row, column) of each accumulator element
+        tSsS = [thr_mma.partition_C(sS[None, None, w, group]) for w in range(self.wpg)]
+        tScS = thr_mma.partition_C(cute.make_identity_tensor((hg, bn)))
+        row_max = cute.make_rmem_tensor(2, Float32)  # rows g and g+8 of this thread
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # ---- dequantization partition of the KV tile (thread owns one 16-column piece)
+        thr_deq = tiled_dequant.get_slice(tidx)
+        ctx.tXsKV = thr_deq.partition_D(sKV)
+        ctx.tXcKV = thr_deq.partition_D(cute.make_identity_tensor((bn, D_QK)))
+
+        # ---- main loop over the chunks of this split
+        for c in cutlass.range(c_begin, c_end, 1, unroll=1):
+            step = c - c_begin
+            stage = step % self.stages  # raw row buffer of chunk c
+            buf = step % self.slots  # index and validity-mask buffer of chunk c
+            self.gather.next_chunk(ctx, c, c_end, step)
+            self._dequantize(ctx, stage)
+            cute.arch.sync_threads()
+
+            # S_w = Q_w K_w^T over this warp's slice of the QK width
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, bn)), Float32)
+            acc_S.fill(0.0)
+            for k in cutlass.range_constexpr(cute.size(tSsK, mode=[2])):
+                cute.copy(ldsm, tSsK[None, None, k], tSrK_v[None, None, k])
+                cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+            exchange_s(acc_S, tSsS, wq, group, self.wpg, self.groups)
+            correction = quad_online_softmax(acc_S, tScS, sMask[buf], [sm_scale_log2, sm_scale_log2], row_max,
+                                             row_sum)
+            for r in cutlass.range_constexpr(2):  # acc_O row r: elements 4 n + 2 r + {0, 1}
+                for k in cutlass.range_constexpr(cute.size(acc_O) // 2):
+                    idx = 4 * (k // 2) + 2 * r + k % 2
+                    acc_O[idx] = acc_O[idx] * correction[r]
+
+            # O_w += P V_w
+            rP = cute.make_fragment_like(acc_S, BFloat16)
+            rP.store(acc_S.load().to(BFloat16))
+            tOrP = self._acc_as_a_operand(rP)
+            for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                cute.copy(ldsm_t, tOsVt[None, None, k], tOrVt_v[None, None, k])
+                cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+        # ---- epilogue
+        qd = lane % 4
+        store_row = functools.partial(self._store_row, acc_O, wq, qd)
+        self.quad_epilogue(p, row_sum, row_max, token, split, ghead0, lane // 4, qd, wq, store_row, sink_addr,
+                           lse_part_addr, lse_addr)
+
+    @cute.jit
+    def _store_row(self, acc_O, wq, qd, r: int, gate: Float32, out_ctx):
+        """Head row r of this thread's output columns times ``gate``: of n tile n, accumulators
+        4 n + 2 r + {0, 1}, columns 8 n + 2 q + {0, 1} of the warp's slice."""
+        for n in cutlass.range_constexpr(cute.size(acc_O) // 4):
+            self.epilogue.store_out([acc_O[4 * n + 2 * r] * gate, acc_O[4 * n + 2 * r + 1] * gate],
+                                    wq * self.wslice + 8 * n + 2 * qd, *out_ctx)
+
+    @cute.jit
+    def _dequantize(self, ctx, stage: Int32):
+        """Dequantize a landed raw stage into the bf16 KV tile. An invalid entry's row and
+        scales arrived as zeros (``ChunkGather.issue_rows``), so it dequantizes to a row of 0
+        with no test."""
+        tXsKV, tXcKV = ctx.tXsKV, ctx.tXcKV
+        stage_base = ctx.raw_base + stage * self.gather.stage_bytes
+        scale_off = self.gather.scale_off
+        for i in cutlass.range_constexpr(cute.size(tXsKV, mode=[1])):
+            row = tXcKV[(0, 0), i, 0][0]
+            col = tXcKV[(0, 0), i, 0][1]
+            dst = tXsKV[None, i, 0]
+            if col < D_NOPE:
+                f8 = cute.make_tensor(
+                    cute.make_ptr(Float8E4M3FN, stage_base + row * RAW_ROW_STRIDE + col, cute.AddressSpace.smem,
+                                  assumed_align=16),
+                    cute.make_layout(DEQUANT_VALUES),
+                )
+                sb = load_smem_u8(stage_base + scale_off + row * SCALE_BYTES + col // TILE)
+                dst.store((f8.load().to(Float32) * ue8m0_scale(sb)).to(BFloat16))
+            else:
+                rope = cute.make_tensor(
+                    cute.make_ptr(BFloat16, stage_base + row * RAW_ROW_STRIDE + D_NOPE + (col - D_NOPE) * 2,
+                                  cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout(DEQUANT_VALUES),
+                )
+                dst.store(rope.load())
+
+    @staticmethod
+    def _acc_as_a_operand(rP: cute.Tensor) -> cute.Tensor:
+        """Regroup an m16n8 accumulator ((2, 2), M, N) as the A operand ((2, 2, 2), M, N / 2) of m16n8k16."""
+        div = cute.logical_divide(rP.layout, (None, None, 2))
+        lay = cute.make_layout(
+            ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
+            stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
+        )
+        return cute.make_tensor(rP.iterator, lay)

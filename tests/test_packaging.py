@@ -1,0 +1,162 @@
+"""The project as users get it (CPU): the wheel, its prebuilt kernels, the commands, the tree.
+
+- ``dsv4-mla-aot-build --wheel`` makes a wheel holding ``cute_kernels`` and ``dispatch`` only,
+  with the main job's kernels; installed outside the source tree, it imports, its commands
+  run, and with ``DSV4_MLA_REQUIRE_AOT=1`` every variant a deployment shape plans loads from
+  its manifest with no compile.
+- The README's two commands are what CI runs; shipped code imports neither ``tests`` nor
+  ``scripts`` and nothing edits ``sys.path``; ``dispatch`` has no import cycle.
+- The docs speak of the project only and the README stays short.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("cute_kernels", "dispatch")
+
+_SERVE_REGISTRY = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import dispatch
+    from dispatch import loader
+    from dispatch.registry import registry_calls
+    from dispatch.variants import precisions_for, variants_for
+    assert Path(dispatch.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), dispatch.__file__
+    assert loader.require_aot()
+    planned = set()
+    for arch in ("sm_120a", "sm_121a"):
+        for precision in precisions_for(arch):
+            for md, splits, groups, two in registry_calls(precision, arch):
+                planned.update(variants_for(md, arch, splits, groups, precision=precision, two_ctas_per_sm=two))
+    for v in sorted(planned, key=lambda v: v.name):
+        loader.get_compiled(v)  # MissingAotVariant if the wheel lacks it
+    print(json.dumps({"planned": len(planned), **loader.stats}))
+""")
+
+
+def test_wheel_holds_the_library_and_serves_every_deployment_shape_without_compiling(deployment_build, tmp_path):
+    out_dir, entries = deployment_build
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": str(site), "DSV4_MLA_REQUIRE_AOT": "1",
+           "DSV4_MLA_CACHE_DIR": str(tmp_path / "jit")}
+    env.pop("DSV4_MLA_AOT_DIR", None)
+    subprocess.run([sys.executable, "-m", "dispatch.aot_build", "--out", str(out_dir), "--wheel", str(wheels)],
+                   check=True, cwd=ROOT, capture_output=True)
+    (wheel,) = wheels.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == set(LIBRARY), top
+    objects = [n for n in names if n.startswith("dispatch/aot_data/") and n.endswith(".o")]
+    assert len(objects) == len(entries) and "dispatch/aot_data/manifest.json" in names
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True)
+    run = subprocess.run([sys.executable, "-c", _SERVE_REGISTRY, str(site)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stats = json.loads(run.stdout.strip().splitlines()[-1])
+    assert stats["compiled"] == 0 and stats["disk_loaded"] == 0
+    assert stats["aot_loaded"] == stats["planned"] == len(entries)
+    for command in ("dsv4-mla-aot-build", "dsv4-mla-check-aot"):
+        helped = subprocess.run([str(site / "bin" / command), "--help"], env=env, cwd=tmp_path, capture_output=True,
+                                text=True)
+        assert helped.returncode == 0 and f"usage: {command}" in helped.stdout, helped.stderr[-2000:]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_ci_runs_the_readme_commands():
+    commands = _readme_commands()
+    assert len(commands) == 2
+    assert "dsv4-mla-aot-build --arch sm_120a --arch sm_121a" in commands[0]  # the main job
+    assert "pytest" in commands[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "README.md" in ci and "bash -euxo pipefail -c" in ci  # .ci/run runs the README's block itself
+
+
+def _sources(*parts):
+    for part in parts:
+        yield from sorted((ROOT / part).rglob("*.py"))
+
+
+def test_shipped_code_imports_neither_tests_nor_scripts_and_nothing_edits_sys_path():
+    for path in _sources(*LIBRARY, "scripts", "tests"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):  # sys.path.<anything>: an edit of the import path
+            assert not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                        and node.value.attr == "path" and isinstance(node.value.value, ast.Name)
+                        and node.value.value.id == "sys"), f"{path}:{node.lineno} uses sys.path"
+        if path.parts[len(ROOT.parts)] in LIBRARY:
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                assert not any(n.split(".")[0] in ("tests", "scripts") for n in names), (path, names)
+
+
+def _internal_imports(folder: str) -> dict:
+    """module -> the modules of the package in ``folder`` it imports (anywhere in its code)."""
+    dotted = folder.replace("/", ".")
+    graph = {}
+    for path in _sources(folder):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 1:
+                deps.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+            elif node.level == 0 and node.module and node.module.startswith(dotted + "."):
+                deps.add(node.module[len(dotted) + 1:].split(".")[0])
+            elif node.level == 0 and node.module == dotted:
+                deps.update(a.name for a in node.names)
+        graph[path.stem] = deps - {path.stem}
+    return {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+
+
+def test_no_import_cycle_in_dispatch_or_the_kernels():
+    for folder in ("dispatch", "cute_kernels/sparse_mla_decode"):
+        graph = _internal_imports(folder)
+        done, path = set(), []
+
+        def visit(m):
+            assert m not in path, f"import cycle in {folder}: {' -> '.join(path[path.index(m):] + [m])}"
+            if m in done:
+                return
+            path.append(m)
+            for d in sorted(graph[m]):
+                visit(d)
+            path.pop()
+            done.add(m)
+
+        for m in sorted(graph):
+            visit(m)
+
+
+# what the project's files must not contain: references outside the repository and records
+# of how it was developed
+_FORBIDDEN = [r"\.\./shared", r"/work/", r"\.devwheels", r"BENCHMARKS\.md", r"(?<!scope=\")\bsessions?\b",
+              r"\bleases?\b", r"lent (GPU|H200)", r"\bdiary\b"]
+
+
+def test_the_tree_speaks_of_the_project_only():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        if name.startswith(".ci/") or name == "tests/test_packaging.py" or not (ROOT / name).is_file():
+            continue
+        text = (ROOT / name).read_text(errors="replace")
+        for pattern in _FORBIDDEN:
+            found = re.search(pattern, text, re.I)
+            assert found is None, f"{name}: {found.group(0)!r} ({pattern})"
+    assert (ROOT / "README.md").stat().st_size <= 8000

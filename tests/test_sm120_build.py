@@ -1,0 +1,50 @@
+"""Every deployment variant as the AOT build compiled it for sm_120a / sm_121a (no GPU needed).
+
+Reads the manifest of the README's main job (``build/aot``, built here where missing or
+stale: the ``deployment_build`` fixture). The build itself refuses a variant that spills,
+needs more than 99 KB of shared memory, uses an instruction SM120 lacks, or whose
+shared-memory plan differs from what the DSL launches it with; this checks each entry is
+the current sources' and what its SASS holds: the MMA mix of its compute path, registers
+within its launch bound, and no MMA of a main loop waiting on the one just before it.
+"""
+
+import pytest
+
+from cute_kernels.arch import DEPLOYMENT_ARCHS, SMEM_PER_CTA_MAX
+from dispatch.aot_build import up_to_date
+from dispatch.variants import variant_space
+
+VARIANTS = [v for arch in DEPLOYMENT_ARCHS for v in variant_space(arch)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_variant_builds_for_sm120_without_spills(variant, deployment_build):
+    out_dir, entries = deployment_build
+    entry = entries.get(variant.name)
+    assert entry is not None, f"{variant.name} is not in the build's manifest"
+    assert up_to_date(variant, entry, out_dir), f"{variant.name}: the manifest entry is not the current sources'"
+    res = entry["resources"]
+    assert res["local_bytes"] == 0 and res["stack_bytes"] == 0 and res["local_memory_instructions"] == 0
+    assert res["launch_smem_bytes"] == res["plan_smem_bytes"] == variant.config.smem_bytes() <= SMEM_PER_CTA_MAX
+    assert res["registers"] <= 255
+    if variant.kind == "partial":
+        mt = variant.config.head_groups
+        expected = {
+            # QK (8 k-steps x 4 n-tiles) and PV (2 k-steps x 16 n-tiles) per warp
+            "bf16": {"HMMA.16816.F32.BF16": 64},
+            # per m16 tile: nope warps QK 4 n-tiles x 4 k-steps, PV 8 n-tiles x 2 k-steps (f16);
+            # the rope warp the same in bf16 (each role's loop once in the SASS)
+            "f16": {"HMMA.16816.F32": 32 * mt, "HMMA.16816.F32.BF16": 32 * mt},
+            # QK: 2 tiles x 4 n-tiles x (2 hi + 2 lo) e4m3; PV: 2 tiles x 8; rope: 4 + 4 bf16
+            "fp8": {"QMMA.16832.F32.E4M3.E4M3": 48, "HMMA.16816.F32.BF16": 8},
+            # the same, the QK e4m3 MMAs block-scaled (UE8M0 scale factors)
+            "mxf8": {"QMMA.SF.16832.F32.E4M3.E4M3.E8": 32, "QMMA.16832.F32.E4M3.E4M3": 16,
+                     "HMMA.16816.F32.BF16": 8},
+        }[variant.config.precision]
+        assert res["mma"] == expected
+        assert res["registers"] <= variant.config.max_registers
+        # QK's n tiles two or four at a time (``tuning``'s QK_TILES_AT_ONCE): no MMA of a main
+        # loop waits on the one just before it (one tile at a time: 12 per role and chunk in
+        # "f16", 23 / 22 per chunk in "fp8" / "mxf8")
+        loops = {"f16": 2}.get(variant.config.precision, 1)
+        assert res["chained_mma"] == [0] * loops
