@@ -11,7 +11,7 @@ import math
 import torch
 
 from .api import sparse_mla_decode
-from .lse import convert_lse
+from .lse import check_convention, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
 
 
@@ -20,6 +20,14 @@ def _refuse(problem: str, q) -> None:
                         num_heads=None if not isinstance(q, torch.Tensor) else q.shape[-2],
                         d_qk=None if not isinstance(q, torch.Tensor) else q.shape[-1])
     raise InvalidDecodeInput(md, problem)
+
+
+def _check_convention(convention, q) -> None:
+    """Refuse an unknown lse convention before any GPU work (whether or not an lse is returned)."""
+    try:
+        check_convention(convention)
+    except ValueError as err:
+        _refuse(str(err), q)
 
 
 def flash_mla_with_kvcache(
@@ -48,6 +56,7 @@ def flash_mla_with_kvcache(
     ``softmax_lse [B, H, S]`` float32, as FlashMLA lays them out. ``tile_scheduler_metadata``
     and ``num_splits`` are accepted and not needed (this library plans its own split).
     """
+    _check_convention(lse_convention, q)
     if indices is None or not is_fp8_kvcache:
         _refuse("only the sparse FP8 decode path is served: pass indices and is_fp8_kvcache=True", q)
     if block_table is not None or cache_seqlens is not None or causal:
@@ -96,6 +105,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     Returns ``out`` (and, with ``return_lse``, the lse in ``lse_convention``, by default
     FlashInfer's log2 with the sink folded in, shaped like ``out`` without its last dim).
     """
+    _check_convention(lse_convention, query)
     if cum_seq_lens_q is not None:
         _refuse("cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, 512]", query)
     if bmm2_scale != 1.0:

@@ -5,19 +5,24 @@
     dsv4-mla-aot-build --wheel DIR [--arch ...]       # from a source checkout: a wheel with the kernels
 
 Builds exactly ``dispatch.registry.registry_variants(arch)`` for each ``--arch`` (default: the
-deployment archs, sm_120a and sm_121a; sm_90a builds the H200 test GPU's) in parallel
-processes, exports each variant as ``<name>.o`` into ``--out`` (default ``build/aot`` in the
-current directory) and records it in ``manifest.json``: its key, the fingerprint the loader
-checks (arch, nvidia-cutlass-dsl version and libs, project version, kernel source hash), the
-object's sha256 and the resources read from the compiled kernel. Up-to-date entries are
-skipped. A deployment arch's variant fails the build when it spills to local memory, is
+deployment archs, sm_120a and sm_121a; ``--arch sm_90a --out build/aot90`` builds the H200
+test GPU's, best kept in a directory of its own) in parallel processes, exports each variant
+as ``<name>.o`` into ``--out`` (default ``build/aot`` in the current directory) and records it
+in ``manifest.json``: its key, the fingerprint the loader checks (arch, nvidia-cutlass-dsl
+version and libs, project version, kernel source hash), the object's sha256 and the resources
+read from the compiled kernel. Up-to-date entries are skipped; entries of the built archs that
+the registry no longer plans are dropped with their files (other archs' are kept). A
+deployment arch's variant fails the build when it spills to local memory, is
 launched with more than 99 KB of shared memory, uses an instruction SM120 lacks, or its
 shared-memory plan (``PartialConfig.smem_plan``) differs from what the DSL launches it with.
 Exits non-zero naming every failed variant; prints the resource report at the end.
 
 Serve from the directory with ``DSV4_MLA_AOT_DIR=<out>`` (``DSV4_MLA_REQUIRE_AOT=1`` turns a
 missing variant into an error), or with ``--wheel DIR`` build a wheel of this package that
-carries the objects in ``dispatch/aot_data/``, where the loader finds them on its own.
+carries the up-to-date objects of the registry of each ``--arch`` in ``dispatch/aot_data/``,
+where the loader finds them on its own. The wheel is built by ``pip wheel``, which by default
+installs the build backend (setuptools) into an isolated environment from the package index;
+offline, install setuptools and pass ``--no-build-isolation``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cute_kernels.arch import DEPLOYMENT_ARCHS, SMEM_PER_CTA_MAX
+from cute_kernels.arch import DEPLOYMENT_ARCHS, SMEM_PER_CTA_MAX, SUPPORTED_ARCHS
 
 from .fingerprint import fingerprint, mismatches
 from .loader import MANIFEST, MANIFEST_FORMAT, PACKAGE_AOT_DIR, read_manifest, sha256_file
@@ -62,8 +67,14 @@ def build_one(variant: KernelVariant, out_dir: str) -> dict:
         raise RuntimeError(f"{type(err).__name__}: {err}") from None
 
 
+def _worker_init(dump_root: str) -> None:
+    """A build worker's own directory for the cubins the DSL dumps, inside ``dump_root`` (the
+    build's, removed when it ends), unless the caller chose one with ``CUTE_DSL_DUMP_DIR``."""
+    if "CUTE_DSL_DUMP_DIR" not in os.environ:
+        os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="worker_", dir=dump_root)
+
+
 def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
-    os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_cubin_"))
     from cute_kernels.sass_check import disassemble, inspect_cubin, launch_smem_bytes, mma_loops
 
     from .loader import compile_variant, export_variant
@@ -115,6 +126,21 @@ def up_to_date(variant: KernelVariant, entry: dict | None, out_dir: Path) -> boo
     return obj.exists() and sha256_file(obj) == entry.get("object_sha256")
 
 
+def prune(entries: dict, archs, out_dir: Path) -> dict:
+    """``entries`` without those of ``archs`` that their registry no longer plans (their
+    object and header files are removed); entries of other archs are kept as they are."""
+    planned = {v.name for v in planned_variants(archs)}
+    kept = {}
+    for name, entry in entries.items():
+        if entry.get("fingerprint", {}).get("arch") in archs and name not in planned:
+            for suffix in (".o", ".h"):
+                (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
+            print(f"dropped {name}: no longer planned for {entry['fingerprint']['arch']}", flush=True)
+            continue
+        kept[name] = entry
+    return kept
+
+
 def _write_manifest(out_dir: Path, entries: dict) -> None:
     tmp = out_dir / f".{MANIFEST}.tmp{os.getpid()}"
     tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "entries": entries}, indent=1, sort_keys=True))
@@ -154,7 +180,7 @@ def build(archs, out_dir: Path, *, jobs: int, only: str | None = None, force: bo
 
     require_sass_tools()  # before any compiling: a missing tool names its install command
     out_dir.mkdir(parents=True, exist_ok=True)
-    entries = dict((read_manifest(out_dir) or {"entries": {}})["entries"])
+    entries = prune(dict((read_manifest(out_dir) or {"entries": {}})["entries"]), archs, out_dir)
     variants = planned_variants(archs, only)
     todo = [v for v in variants if force or not up_to_date(v, entries.get(v.name), out_dir)]
     print(f"{len(variants)} variants planned for {', '.join(archs)}, {len(variants) - len(todo)} up to date, "
@@ -162,7 +188,9 @@ def build(archs, out_dir: Path, *, jobs: int, only: str | None = None, force: bo
     failures = []
     if todo:
         ctx = mp.get_context("spawn")  # fresh interpreters: the DSL keeps global state
-        with cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx) as pool:
+        with tempfile.TemporaryDirectory(prefix="dsv4_mla_cubin_") as dump_root, \
+                cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(todo))), mp_context=ctx,
+                                       initializer=_worker_init, initargs=(dump_root,)) as pool:
             futures = {pool.submit(build_one, v, str(out_dir)): v for v in todo}
             for done, fut in enumerate(cf.as_completed(futures), 1):
                 v = futures[fut]
@@ -180,16 +208,39 @@ def build(archs, out_dir: Path, *, jobs: int, only: str | None = None, force: bo
     return failures
 
 
-def build_wheel(out_dir: Path, wheel_dir: Path, archs) -> Path:
-    """A wheel of this package whose ``dispatch/aot_data`` holds the manifest entries and
-    objects of ``archs`` from ``out_dir``. Needs the package's source checkout (its
-    ``pyproject.toml``)."""
+def source_checkout() -> Path:
+    """The source checkout this package runs from (what ``--wheel`` packages); SystemExit if
+    it runs from an installed copy."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "pyproject.toml").exists():
         raise SystemExit(f"--wheel packages a source checkout: no pyproject.toml in {root} (install the project "
                          f"with pip install -e from its checkout)")
-    manifest = read_manifest(out_dir)
-    entries = {name: e for name, e in manifest["entries"].items() if e["fingerprint"]["arch"] in archs}
+    return root
+
+
+def wheel_entries(out_dir: Path, archs) -> dict:
+    """The manifest entries a wheel of ``archs`` ships from ``out_dir``: those of the variants
+    the registry plans for ``archs`` that are up to date; stale, unplanned and other archs'
+    entries stay out. Reports the planned variants it lacks."""
+    found = (read_manifest(out_dir) or {"entries": {}})["entries"]
+    entries, missing = {}, []
+    for v in planned_variants(archs):
+        if up_to_date(v, found.get(v.name), out_dir):
+            entries[v.name] = found[v.name]
+        else:
+            missing.append(v.name)
+    if missing:
+        print(f"warning: {len(missing)} planned variants have no up-to-date entry in {out_dir} and are not in "
+              f"the wheel (build them first), e.g. {missing[0]}", file=sys.stderr)
+    return entries
+
+
+def build_wheel(out_dir: Path, wheel_dir: Path, archs, *, build_isolation: bool = True) -> Path:
+    """A wheel of this package whose ``dispatch/aot_data`` holds the up-to-date manifest
+    entries and objects of the registry of ``archs`` from ``out_dir`` (``wheel_entries``).
+    Needs the package's source checkout (its ``pyproject.toml``)."""
+    root = source_checkout()
+    entries = wheel_entries(out_dir, archs)
     with tempfile.TemporaryDirectory(prefix="dsv4_mla_wheel_") as stage:
         stage = Path(stage)
         for item in ("pyproject.toml", "README.md", "cute_kernels", "dispatch"):
@@ -205,8 +256,9 @@ def build_wheel(out_dir: Path, wheel_dir: Path, archs) -> Path:
         _write_manifest(data, entries)
         wheel_dir.mkdir(parents=True, exist_ok=True)
         before = set(wheel_dir.glob("*.whl"))
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheel_dir), str(stage)],
-                       check=True)
+        isolation = [] if build_isolation else ["--no-build-isolation"]
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *isolation, "-w", str(wheel_dir),
+                        str(stage)], check=True)
         built = sorted(set(wheel_dir.glob("*.whl")) - before) or sorted(wheel_dir.glob("dsv4_sparse_mla-*.whl"))
     print(f"wheel with {len(entries)} prebuilt variants ({', '.join(archs)}): {built[-1]}")
     return built[-1]
@@ -215,18 +267,23 @@ def build_wheel(out_dir: Path, wheel_dir: Path, archs) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4-mla-aot-build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", action="append", help=f"target arch, repeatable (default: {' '.join(DEPLOYMENT_ARCHS)})")
+    ap.add_argument("--arch", action="append", choices=SUPPORTED_ARCHS,
+                    help=f"target arch, repeatable (default: {' '.join(DEPLOYMENT_ARCHS)})")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     ap.add_argument("--only", help="build only the variants whose name matches this regex")
     ap.add_argument("--force", action="store_true", help="rebuild entries that are up to date")
     ap.add_argument("--report", action="store_true", help="print the manifest's resource table and exit")
     ap.add_argument("--wheel", metavar="DIR", help="then build a wheel carrying the objects into DIR")
+    ap.add_argument("--no-build-isolation", action="store_true",
+                    help="--wheel: build with the installed setuptools (offline) instead of an isolated one")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     if args.report:
         print(report(out_dir))
         return 0
+    if args.wheel:
+        source_checkout()  # before the build: an installed copy cannot make a wheel
     archs = args.arch or list(DEPLOYMENT_ARCHS)
     t0 = time.time()
     from cute_kernels.sass_check import MissingSassTool
@@ -243,7 +300,7 @@ def main(argv=None) -> int:
     if failures:
         return 1
     if args.wheel:
-        build_wheel(out_dir, Path(args.wheel), archs)
+        build_wheel(out_dir, Path(args.wheel), archs, build_isolation=not args.no_build_isolation)
     return 0
 
 

@@ -11,13 +11,16 @@ import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
 from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, read_cache_view
+from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, DEFAULT_SM_SCALE
 
 from .lse import LSE_CONVENTIONS, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
 from .variants import PRECISIONS, resolve_precision
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1  # the largest slot an int32 index can name
+# the byte alignment the kernels assume of each pointer argument (``kernel_args``)
+_ALIGN = {a.name: a.align for a in PARTIAL_ARGS if a.kind == "ptr"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,13 +127,19 @@ def _flatten_tokens(t: torch.Tensor, keep: int, name: str, check: _Checker) -> t
 
 
 def _lengths(t, name: str, num_tokens: int, lead: tuple, device, check: _Checker):
+    """``t`` viewed as [num_tokens]; refused unless that view is the tensor itself, contiguous
+    (the kernels read ``num_tokens`` int32 from its data pointer)."""
     check.tensor(t, name, torch.int32, device)
     if tuple(t.shape) not in {(num_tokens,), tuple(lead)}:
         check.fail(f"{name} has shape {list(t.shape)}, expected [{num_tokens}] (one length per query token)")
-    t = t.reshape(num_tokens)
-    if t.stride(0) != 1 and num_tokens > 1:
-        check.fail(f"{name} must be contiguous")
-    return t
+    try:
+        flat = t.view(num_tokens)
+    except RuntimeError:
+        flat = None
+    if flat is None or (num_tokens > 1 and flat.stride(0) != 1):
+        check.fail(f"{name} must be contiguous (one int32 per token, in token order), got shape {list(t.shape)} "
+                   f"and strides {list(t.stride())}")
+    return flat
 
 
 def _indices(t, name: str, lead: tuple, num_tokens: int, device, check: _Checker, allow_empty: bool):
@@ -196,8 +205,13 @@ class ValidatedCall:
 
 
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
-                  extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None) -> ValidatedCall:
-    """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput."""
+                  extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
+                  for_plan=False, _target=None) -> ValidatedCall:
+    """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput.
+
+    ``for_plan``: the call is to be planned, which needs at least one token. ``_target``: a
+    testing aid: (arch, SM count, shared memory per SM) to plan for, instead of those of the
+    inputs' CUDA device, so that planning can be checked on CPU tensors (device index -1)."""
     md = _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
                         attn_sink)
     check = _Checker(md)
@@ -219,7 +233,9 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         check.fail("num_heads must be at least 1")
     q3 = _flatten_tokens(q, 2, "q", check)
     num_tokens = q3.shape[0]
-    check.rows(q3, "q", 8, 16)
+    if for_plan and num_tokens == 0:
+        check.fail("a plan needs at least one token; sparse_mla_decode returns at once for T=0")
+    check.rows(q3, "q", _ALIGN["q"] // q.element_size(), _ALIGN["q"])
 
     # caches and lists
     main = check.cache(kv_cache, "kv_cache", device)
@@ -254,7 +270,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     check.tensor(out, "out", torch.bfloat16, device)
     check.shape(out, "out", (*lead, num_heads, D_V))
     out3 = _flatten_tokens(out, 2, "out", check)
-    check.rows(out3, "out", 4, 8)
+    check.rows(out3, "out", _ALIGN["out"] // out.element_size(), _ALIGN["out"])
     if lse is None:
         lse = torch.empty(*lead, num_heads, dtype=torch.float32, device=device)
     check.tensor(lse, "lse", torch.float32, device)
@@ -263,10 +279,14 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
     if precision is not None and precision not in PRECISIONS:
         check.fail(f"precision must be one of {PRECISIONS} or None (the default), got {precision!r}")
-    if device.type != "cuda":
-        check.fail(f"the inputs are on {device}: the kernels run on CUDA devices only")
-    device_index = device.index if device.index is not None else torch.cuda.current_device()
-    arch, num_sms, smem_per_sm = _device_target(device_index)
+    if _target is not None:
+        device_index = device.index if device.index is not None else -1
+        arch, num_sms, smem_per_sm = _target
+    else:
+        if device.type != "cuda":
+            check.fail(f"the inputs are on {device}: the kernels run on CUDA devices only")
+        device_index = device.index if device.index is not None else torch.cuda.current_device()
+        arch, num_sms, smem_per_sm = _device_target(device_index)
     if arch is None:
         check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
@@ -280,8 +300,8 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     strides = {
         "q_t": q3.stride(0), "q_h": q3.stride(1), "idx_t": idx.stride(0),
         "extra_idx_t": used_extra_idx.stride(0),
-        "main_block": main.block_stride, "main_slots": min(main.num_slots, _INT32_MAX),
-        "extra_block": extra.block_stride, "extra_slots": min(extra.num_slots, _INT32_MAX),
+        "main_block": main.block_stride, "main_slots": min(main.num_slots, INT32_MAX),
+        "extra_block": extra.block_stride, "extra_slots": min(extra.num_slots, INT32_MAX),
         "out_t": out3.stride(0), "out_h": out3.stride(1), "lse_t": lse2.stride(0), "lse_h": lse2.stride(1),
     }
     return ValidatedCall(
@@ -310,13 +330,13 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
     ``plan.bind(...)`` fixes the tensors too, for the fastest ``bound.run()``.
     ``overrides``: a ``dispatch.PlanOverrides`` forcing the head groups, splits, stages or
     register bound (a measurement and testing aid). Arguments and errors as
-    ``sparse_mla_decode``.
+    ``sparse_mla_decode``, but for T = 0 (refused: a plan needs at least one token).
     """
     from .plan import DecodePlan
 
     call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision)
+                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision, for_plan=True)
     try:
         return DecodePlan(call, overrides)
     except ValueError as err:  # an override no kernel has

@@ -1,16 +1,22 @@
-"""Check, on a GPU, that an AOT build serves the whole deployment registry with no compile:
-``dsv4-mla-check-aot``.
+"""Check, on a GPU, that an AOT build serves the whole deployment registry with no compile and
+correct results: ``dsv4-mla-check-aot``.
 
     dsv4-mla-aot-build --out build/aot                       # once, on any machine (sm_120a, sm_121a)
     dsv4-mla-check-aot --aot-dir build/aot                   # on the GPU, a fresh process
     dsv4-mla-check-aot                                       # the manifest of an installed wheel
 
 Runs every shape of ``dispatch.registry.DEPLOYMENT_SHAPES`` at one token and at 300 tokens
-(one split and several), cycling through the optional inputs so that every registry variant
-is used, with compiling switched off (a missing variant raises). Prints the number of
-compiles (must be 0), how many variants were loaded, the time of the first call, and the
-worst relative error against the float32 reference. ``--disk-cache`` instead checks that a
-variant JIT-compiled by one process is loaded from the disk cache by the next.
+(one split and several) in every compute path the GPU's arch has (``precisions_for``: "mxf8"
+only where the block-scaled MMA exists), cycling through the optional inputs so that every
+registry variant is used, with compiling switched off (a missing variant raises). Every
+``SPOT_EVERY``-th shape is spot-checked at both token counts (up to ``SPOT_TOKENS`` of its
+tokens) against the float64 reference, with the bound the tests use
+(``dispatch.accuracy``: per token, the relative L2 error of out at most twice the rounding
+floor of the case). Prints one JSON line: calls, compiles, variants loaded, the time of the
+first call, the spot checks and the worst error / bound among them. Exits 1 when anything
+was compiled or a spot check exceeds its bound (naming it), 2 on a GPU it does not serve.
+``--disk-cache`` instead checks that a variant JIT-compiled by one process is loaded from
+the disk cache by the next.
 """
 
 from __future__ import annotations
@@ -24,16 +30,52 @@ import sys
 import tempfile
 import time
 
+SPOT_EVERY = 8  # spot-check every 8th deployment shape (at both token counts)
+SPOT_TOKENS = 16  # of a call's tokens, at most this many (evenly spaced) are checked
 
-def serve_registry(aot_dir: str | None) -> int:
+
+def _token_subset(T: int, kw: dict):
+    """The indices of the checked tokens of a T-token call, and ``kw`` restricted to them."""
+    import torch
+
+    rows = torch.linspace(0, T - 1, min(T, SPOT_TOKENS)).round().long().unique()
+    per_token = ("topk_length", "extra_indices", "extra_topk_length")
+    return rows, {k: (v[rows.to(v.device)] if k in per_token else v) for k, v in kw.items()}
+
+
+def spot_check(precision: str, q, cache, idx, kw, out) -> tuple[float, list[int]]:
+    """``out`` of a call against the float64 reference on a subset of its tokens: (worst
+    error / bound, the tokens above their bound)."""
     import torch
 
     from cute_kernels.sparse_mla_decode.reference import reference_decode
 
+    from .accuracy import out_error_and_bound, rounding_floor
+
+    rows, sub = _token_subset(q.shape[0], kw)
+    rows_dev = rows.to(q.device)
+    qs, idxs = q[rows_dev], idx[rows_dev]
+    ref_out, _ = reference_decode(qs, cache, idxs, **sub)
+    floor = rounding_floor(precision, qs, cache, idxs, sub, ref_out)
+    rel, bound = out_error_and_bound(out[rows_dev], ref_out, floor)
+    ratio = torch.where(bound > 0, rel / bound.clamp_min(1e-300), torch.where(rel > 0, torch.inf, 0.0))
+    return ratio.max().item(), rows[rel > bound].tolist()
+
+
+def serve_registry(aot_dir: str | None) -> int:
+    import torch
+
+    from cute_kernels.arch import arch_for_capability
+
     from . import loader, sparse_mla_decode
     from .registry import DEPLOYMENT_SHAPES
     from .testing import make_cache
+    from .variants import precisions_for
 
+    arch = arch_for_capability(torch.cuda.get_device_capability())
+    if arch is None:
+        print(f"dsv4-mla-check-aot: {torch.cuda.get_device_name()} is not a supported GPU", file=sys.stderr)
+        return 2
     if aot_dir is not None:
         loader.set_aot_dir(aot_dir)
     loader.set_require_aot(True)  # any compile would raise MissingAotVariant
@@ -41,43 +83,51 @@ def serve_registry(aot_dir: str | None) -> int:
     pages = sorted({s.page_block_size for s in DEPLOYMENT_SHAPES} |
                    {s.extra_page_block_size for s in DEPLOYMENT_SHAPES if s.extra_page_block_size})
     caches = {p: make_cache(max(16384 // p, 4), p, device="cuda", gen=gen) for p in pages}
-    flags = itertools.cycle(itertools.product((False, True), repeat=3))
-    worst, first_call, calls, used = 0.0, None, 0, set()
-    for shape in DEPLOYMENT_SHAPES:
-        has_len, has_extra_len, has_sink = next(flags)  # the same options at one split and at several
-        for T in (1, 300):
-            slots = caches[shape.page_block_size].shape[0] * shape.page_block_size
-            q = torch.randn(T, shape.num_heads, 512, device="cuda").to(torch.bfloat16)
-            idx = torch.randint(-1, slots, (T, shape.topk), device="cuda", dtype=torch.int32)
-            kw = {}
-            if has_len:
-                kw["topk_length"] = torch.randint(0, shape.topk + 1, (T,), device="cuda", dtype=torch.int32)
-            if has_sink:
-                kw["attn_sink"] = torch.randn(shape.num_heads, device="cuda")
-            if shape.extra_topk:
-                extra = caches[shape.extra_page_block_size]
-                e_slots = extra.shape[0] * shape.extra_page_block_size
-                kw["extra_kv_cache"] = extra
-                kw["extra_indices"] = torch.randint(-1, e_slots, (T, shape.extra_topk), device="cuda",
-                                                    dtype=torch.int32)
-                if has_extra_len:
-                    kw["extra_topk_length"] = torch.randint(0, shape.extra_topk + 1, (T,), device="cuda",
-                                                            dtype=torch.int32)
-            t0 = time.perf_counter()
-            out, lse = sparse_mla_decode(q, caches[shape.page_block_size], idx, **kw)
-            torch.cuda.synchronize()
-            if first_call is None:
-                first_call = time.perf_counter() - t0
-            calls += 1
-            used.update(v.name for v in loader._compiled)
-            if calls % 16 == 1:  # spot-check against the reference
-                ref, _ = reference_decode(q, caches[shape.page_block_size], idx, **kw)
-                rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                worst = max(worst, rel)
-    print(json.dumps({"calls": calls, "compiles": loader.stats["compiled"], "aot_loaded": loader.stats["aot_loaded"],
-                      "variants_used": len(used), "first_call_seconds": round(first_call, 4),
-                      "worst_rel_l2_spot_checks": worst}))
-    return 0 if loader.stats["compiled"] == 0 else 1
+    first_call, calls, checks, worst, used, failures = None, 0, 0, 0.0, set(), []
+    for precision in precisions_for(arch):
+        flags = itertools.cycle(itertools.product((False, True), repeat=3))
+        for i, shape in enumerate(DEPLOYMENT_SHAPES):
+            has_len, has_extra_len, has_sink = next(flags)  # the same options at one split and at several
+            for T in (1, 300):
+                slots = caches[shape.page_block_size].shape[0] * shape.page_block_size
+                q = torch.randn(T, shape.num_heads, 512, device="cuda").to(torch.bfloat16)
+                idx = torch.randint(-1, slots, (T, shape.topk), device="cuda", dtype=torch.int32)
+                kw = {}
+                if has_len:
+                    kw["topk_length"] = torch.randint(0, shape.topk + 1, (T,), device="cuda", dtype=torch.int32)
+                if has_sink:
+                    kw["attn_sink"] = torch.randn(shape.num_heads, device="cuda")
+                if shape.extra_topk:
+                    extra = caches[shape.extra_page_block_size]
+                    e_slots = extra.shape[0] * shape.extra_page_block_size
+                    kw["extra_kv_cache"] = extra
+                    kw["extra_indices"] = torch.randint(-1, e_slots, (T, shape.extra_topk), device="cuda",
+                                                        dtype=torch.int32)
+                    if has_extra_len:
+                        kw["extra_topk_length"] = torch.randint(0, shape.extra_topk + 1, (T,), device="cuda",
+                                                                dtype=torch.int32)
+                t0 = time.perf_counter()
+                out, lse = sparse_mla_decode(q, caches[shape.page_block_size], idx, precision=precision, **kw)
+                torch.cuda.synchronize()
+                if first_call is None:
+                    first_call = time.perf_counter() - t0
+                calls += 1
+                used.update(v.name for v in loader._compiled)
+                if i % SPOT_EVERY == 0:
+                    ratio, bad = spot_check(precision, q, caches[shape.page_block_size], idx, kw, out)
+                    checks += 1
+                    worst = max(worst, ratio)
+                    if bad:
+                        failures.append(f"{precision} {shape} T={T}: out error above the bound at tokens {bad[:5]}")
+    print(json.dumps({"arch": arch, "precisions": list(precisions_for(arch)), "calls": calls,
+                      "compiles": loader.stats["compiled"], "aot_loaded": loader.stats["aot_loaded"],
+                      "variants_used": len(used), "first_call_seconds": round(first_call, 4), "spot_checks": checks,
+                      "worst_out_error_over_bound": worst}))
+    for f in failures:
+        print(f"FAILED {f}", file=sys.stderr)
+    if loader.stats["compiled"]:
+        print(f"FAILED {loader.stats['compiled']} variants were compiled", file=sys.stderr)
+    return 0 if loader.stats["compiled"] == 0 and not failures else 1
 
 
 _ONE = """

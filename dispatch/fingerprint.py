@@ -10,15 +10,39 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from importlib import metadata
 from pathlib import Path
 
 from .variants import KernelVariant
 
-PROJECT_VERSION = "0.1.0"  # keep equal to pyproject.toml's version (a test checks)
 FIELDS = ("name", "arch", "dsl_version", "dsl_libs", "project_version", "source_hash")
+DISTRIBUTION = "dsv4-sparse-mla"
 
 _ROOT = Path(__file__).resolve().parents[1]
+
+
+def _project_version() -> str:
+    """The project's version, written once in ``pyproject.toml``: read from it in a source
+    checkout (installed or not), else from the installed distribution's metadata (a wheel)."""
+    pyproject = _ROOT / "pyproject.toml"
+    if pyproject.is_file():
+        section = None
+        for line in pyproject.read_text().splitlines():
+            header = re.match(r"\s*\[([^\]]+)\]\s*$", line)
+            if header:
+                section = header.group(1).strip()
+            found = re.match(r'\s*version\s*=\s*"([^"]+)"', line)
+            if section == "project" and found:
+                return found.group(1)
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+PROJECT_VERSION = _project_version()
+
 # Every file whose content can change a generated binary.
 _SOURCES = ("cute_kernels", "dispatch/loader.py", "dispatch/variants.py")
 

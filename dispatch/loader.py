@@ -1,16 +1,20 @@
 """Get the compiled callable of a variant: memory -> AOT manifest -> JIT disk cache -> JIT compile.
 
-- AOT: the first manifest found among ``set_aot_dir(path)``, ``$DSV4_MLA_AOT_DIR`` and the
-  package's own ``dispatch/aot_data/`` (written by ``dsv4-mla-aot-build``, ``dispatch.aot_build``). An entry is
-  loaded only if its fingerprint (arch, DSL version and libs, project version, kernel
-  source hash) matches this process and its object file's sha256 matches the manifest;
-  otherwise the reason is logged once and the variant is compiled instead.
+- AOT: the first up-to-date entry of the variant in the manifests of ``set_aot_dir(path)``,
+  ``$DSV4_MLA_AOT_DIR`` and the package's own ``dispatch/aot_data/`` (written by
+  ``dsv4-mla-aot-build``, ``dispatch.aot_build``), searched in that order. An entry is
+  up to date when its fingerprint (arch, DSL version and libs, project version, kernel
+  source hash) matches this process and its object file's sha256 matches the manifest. A
+  missing or corrupt manifest, a manifest without the entry, and a stale or corrupt entry
+  are skipped (the reason logged once) and the search goes on: a stale entry in one
+  directory never hides an up-to-date one in the next.
 - JIT results are exported to a per-user disk cache (``$DSV4_MLA_CACHE_DIR``, default
   ``~/.cache/dsv4_mla/jit``) keyed by the same fingerprint, written to a temporary
   directory and renamed into place under a file lock, so concurrent processes never
   corrupt it and a second process never recompiles.
-- ``set_require_aot(True)`` or ``DSV4_MLA_REQUIRE_AOT=1``: a variant missing from the AOT
-  manifest is an error (``MissingAotVariant``), never a compile at serve time.
+- ``set_require_aot(True)`` or ``DSV4_MLA_REQUIRE_AOT=1``: a variant with no up-to-date AOT
+  entry is an error (``MissingAotVariant``, naming what was skipped), never a compile at
+  serve time.
 """
 
 from __future__ import annotations
@@ -166,7 +170,9 @@ def _entry_key(variant: KernelVariant) -> str:
     return variant.name  # the name carries the arch and every code-generating field
 
 
-def _load_aot(variant: KernelVariant):
+def _load_aot(variant: KernelVariant, skipped: list[str]):
+    """The first up-to-date AOT entry of ``variant`` in ``aot_dirs()`` order, loaded, or None;
+    every stale or corrupt entry passed over is reported once and added to ``skipped``."""
     expected = fingerprint(variant)
     for directory in aot_dirs():
         manifest = read_manifest(directory)
@@ -180,17 +186,17 @@ def _load_aot(variant: KernelVariant):
             continue
         bad = mismatches(expected, entry.get("fingerprint", {}))
         if bad:
-            _report_once(f"dsv4_mla: AOT entry {variant.name} in {directory} is stale ({'; '.join(bad)}); "
-                         f"compiling it instead")
-            return None
+            skipped.append(f"{directory}: stale")
+            _report_once(f"dsv4_mla: AOT entry {variant.name} in {directory} is stale ({'; '.join(bad)}); skipped")
+            continue
         obj = directory / entry.get("object", "")
         try:
             if sha256_file(obj) != entry.get("object_sha256"):
                 raise ValueError("object sha256 does not match the manifest")
             return load_object(obj, variant)
         except Exception as err:  # a corrupt entry is never loaded
-            _report_once(f"dsv4_mla: AOT entry {variant.name} in {directory} is corrupt ({err}); compiling it instead")
-            return None
+            skipped.append(f"{directory}: corrupt")
+            _report_once(f"dsv4_mla: AOT entry {variant.name} in {directory} is corrupt ({err}); skipped")
     return None
 
 
@@ -240,17 +246,22 @@ def _store_on_disk(compiled, variant: KernelVariant, entry_dir: Path) -> None:
 
 
 def _obtain(variant: KernelVariant):
-    fn = _load_aot(variant)
+    skipped = []
+    fn = _load_aot(variant, skipped)
     if fn is not None:
         stats["aot_loaded"] += 1
         return fn
     if require_aot():
         raise MissingAotVariant(
-            f"dsv4_mla: kernel variant {variant.name} is not in any valid AOT manifest "
-            f"(searched: {', '.join(str(d) for d in aot_dirs())}) and compiling at serve time is off "
+            f"dsv4_mla: kernel variant {variant.name} has no up-to-date entry in any AOT manifest "
+            f"(searched: {', '.join(str(d) for d in aot_dirs())}"
+            f"{'; skipped: ' + ', '.join(skipped) if skipped else ''}) and compiling at serve time is off "
             f"(DSV4_MLA_REQUIRE_AOT / set_require_aot). Build it with: "
             f"dsv4-mla-aot-build --arch {variant.arch} --out <dir>, then set DSV4_MLA_AOT_DIR=<dir>"
         )
+    if skipped:
+        _report_once(f"dsv4_mla: no up-to-date AOT entry for {variant.name}: taking it from the JIT disk cache "
+                     f"or compiling it")
     entry_dir = jit_cache_dir() / fingerprint_id(fingerprint(variant))
     fn = _load_from_disk(variant, entry_dir)
     if fn is not None:

@@ -18,8 +18,9 @@ import math
 
 import torch
 
+from cute_kernels.sparse_mla_decode.layout import LOG2_E
+
 LSE_CONVENTIONS = ("natural", "log2_with_sink")
-_LOG2_E = math.log2(math.e)
 
 
 def check_convention(convention: str) -> None:
@@ -36,4 +37,4 @@ def convert_lse(lse: torch.Tensor, attn_sink: torch.Tensor | None, convention: s
     total = torch.where(torch.isposinf(lse), torch.full_like(lse, -math.inf), lse)  # empty: ln(0) = -inf
     if attn_sink is not None:
         total = torch.logaddexp(total, attn_sink.float().expand_as(total))
-    return total * _LOG2_E
+    return total * LOG2_E

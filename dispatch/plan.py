@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import threading
 
 import torch
@@ -26,13 +27,12 @@ import torch
 from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
 from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
-from cute_kernels.sparse_mla_decode.layout import D_V, DEFAULT_SM_SCALE
+from cute_kernels.sparse_mla_decode.layout import D_V, DEFAULT_SM_SCALE, LOG2_E
 
 from . import loader
 from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
 from .variants import partial_shape_config, variant_space, variants_for
 
-_LOG2_E = math.log2(math.e)
 SCRATCH_ALIGN = 256
 # the current stream's raw handle: torch's fast accessor where the build has it (CUDA builds do)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -53,10 +53,13 @@ class Bind:
         self.key, self.offset = key, offset
 
 
-# run()'s tensor arguments, in its signature order: (argument name, address key in the bindings)
+# run()'s and bind()'s tensor arguments, the one list of them: (argument name, address key in
+# the bindings); the order of every per-call value list below
 _RUN_TENSORS = (("q", "q"), ("kv_cache", "main"), ("indices", "indices"), ("topk_length", "topk_length"),
                 ("attn_sink", "attn_sink"), ("out", "out"), ("lse", "lse"), ("extra_kv_cache", "extra"),
                 ("extra_indices", "extra_indices"), ("extra_topk_length", "extra_topk_length"))
+# those arguments' values, in that order, from the locals of run() / bind()
+_given = operator.itemgetter(*(name for name, _ in _RUN_TENSORS))
 # every per-call value a Bind can name, by its position in the list run() fills
 _VALUE_KEYS = tuple(key for _, key in _RUN_TENSORS) + ("sm_scale_log2", "scratch", "stream")
 _POSITION = {key: i for i, key in enumerate(_VALUE_KEYS)}
@@ -84,14 +87,25 @@ class PlanOverrides:
     num_stages: int | None = None
     two_ctas_per_sm: bool | None = None
 
-    def check(self) -> None:
-        """Raise ValueError for a value no kernel has."""
+    def check(self, precision: str | None = None) -> None:
+        """Raise ValueError for a value no kernel has (of the wrong type, out of range, or,
+        given the plan's ``precision``, a register bound its kernel does not have)."""
+        for name in ("head_groups", "num_splits", "num_stages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"overrides.{name} must be an int or None, got {value!r} ({type(value).__name__})")
+        if self.two_ctas_per_sm is not None and not isinstance(self.two_ctas_per_sm, bool):
+            raise ValueError(f"overrides.two_ctas_per_sm must be True, False or None, got {self.two_ctas_per_sm!r} "
+                             f"({type(self.two_ctas_per_sm).__name__})")
         if self.head_groups is not None and self.head_groups not in HEAD_GROUPS:
             raise ValueError(f"overrides.head_groups must be one of {HEAD_GROUPS}, got {self.head_groups!r}")
         if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(f"overrides.num_splits must be in [1, {MAX_SPLITS}], got {self.num_splits!r}")
         if self.num_stages is not None and self.num_stages not in (2, 3):
             raise ValueError(f"overrides.num_stages must be 2 or 3, got {self.num_stages!r}")
+        if self.two_ctas_per_sm and precision is not None and precision != "f16":
+            raise ValueError(f"overrides.two_ctas_per_sm=True holds the \"f16\" kernel to 128 registers; this plan's "
+                             f"precision is {precision!r}, whose kernel has no such bound")
 
 
 def check_in_variant_space(variants, arch: str, what: str) -> None:
@@ -109,7 +123,7 @@ class DecodePlan:
         """``call`` is a validated call (``dispatch.api.validate_call``); ``overrides`` forces
         choices the dispatch would make (``PlanOverrides``)."""
         ov = overrides or PlanOverrides()
-        ov.check()
+        ov.check(call.precision)
         self.device_index = call.device_index
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
@@ -153,8 +167,16 @@ class DecodePlan:
         values = self._argument_values(call, present)
         schemas = (PARTIAL_ARGS, MERGE_ARGS)[:len(self.variants)]
         self._args = [[values[a.name] for a in schema] for schema in schemas]
+        # per run() tensor, the byte alignment the kernels assume of its address (the schemas'
+        # pointer arguments it is bound to), checked on every run and bind
+        align = {}
+        for schema, args in zip(schemas, self._args):
+            for a, v in zip(schema, args):
+                if isinstance(v, Bind) and a.kind == "ptr":
+                    align[v.key] = max(align.get(v.key, 1), a.align)
+        self._aligns = tuple(align.get(key, 1) for _, key in _RUN_TENSORS)
         self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
-        example = [call.pointers()[key] for _, key in _RUN_TENSORS] + [call.sm_scale * _LOG2_E, 0, 0]
+        example = [call.pointers()[key] for _, key in _RUN_TENSORS] + [call.sm_scale * LOG2_E, 0, 0]
         self._kernels = self._make_kernels(example)
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
 
@@ -230,11 +252,12 @@ class DecodePlan:
     def _checked_values(self, caller, given, sm_scale, scratch) -> list:
         """The input addresses (0 for an absent input), then sm_scale * log2(e) and the aligned
         scratch address: a value per ``_VALUE_KEYS`` entry but the stream. Raises ValueError
-        for a tensor not laid out exactly as planned (shape, strides, dtype, device), so no
-        address written into the kernels' arguments can lead a kernel outside its tensor."""
+        for a tensor not laid out exactly as planned (shape, strides, dtype, device) or whose
+        address lacks the alignment the kernels assume, so no address written into the
+        kernels' arguments can lead a kernel outside its tensor or to a misaligned access."""
         dev = self.device_index
         values = []
-        for (name, sig), t in zip(self._inputs, given):
+        for (name, sig), align, t in zip(self._inputs, self._aligns, given):
             if sig is None:
                 if t is not None:
                     raise self._layout_error(caller, name, t, sig)
@@ -246,12 +269,16 @@ class DecodePlan:
                 ok = False
             if not ok:
                 raise self._layout_error(caller, name, t, sig)
-            values.append(t.data_ptr())
+            address = t.data_ptr()
+            if address % align:
+                raise ValueError(f"DecodePlan.{caller}: {name} starts at address {address:#x}, not {align}-byte "
+                                 f"aligned as the kernels assume (the planned tensor was)")
+            values.append(address)
         if sm_scale is None:
             sm_scale = DEFAULT_SM_SCALE
         elif not math.isfinite(sm_scale):
             raise ValueError(f"DecodePlan.{caller}: sm_scale must be finite, got {sm_scale!r}")
-        values.append(float(sm_scale) * _LOG2_E)
+        values.append(float(sm_scale) * LOG2_E)
         scratch_ptr = 0
         if self.scratch_bytes:
             try:
@@ -269,8 +296,7 @@ class DecodePlan:
     def run(self, q, kv_cache, indices, *, out, lse, scratch=None, sm_scale=None, topk_length=None,
             attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
         """Launch on tensors laid out as planned. Allocates nothing; returns ``(out, lse)``."""
-        given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
-                 extra_topk_length)
+        given = _given(locals())
         self._bind_and_launch(self._checked_values("run", given, sm_scale, scratch))
         return out, lse
 
@@ -284,8 +310,7 @@ class DecodePlan:
         later change to the tensors (even ``set_`` or ``resize_``) can make a kernel read or
         write memory that is not theirs; write new values into them in place.
         """
-        given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
-                 extra_topk_length)
+        given = _given(locals())
         values = self._checked_values("bind", given, sm_scale, scratch)
         tensors = tuple(t for t in given + (scratch if self.scratch_bytes else None,) if t is not None)
         return BoundDecode(self, self._make_kernels(values + [0]), tensors, out, lse)
@@ -294,7 +319,7 @@ class DecodePlan:
         """Launch on inputs whose layout is already checked (``validate_call`` for the one-shot
         API); ``pointers`` as ``ValidatedCall.pointers()``."""
         self._bind_and_launch([pointers[key] for _, key in _RUN_TENSORS]
-                              + [float(sm_scale) * _LOG2_E, -(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN])
+                              + [float(sm_scale) * LOG2_E, -(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN])
 
     def _bind_and_launch(self, values: list) -> None:
         """``values`` as ``_checked_values`` returns them; the stream is the current one."""

@@ -69,6 +69,9 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
     base_ctas = ctas_per_split(num_tokens, num_heads, cfg)
+    if base_ctas <= 0:
+        raise ValueError(f"a split plan needs at least one token and one head, got num_tokens={num_tokens}, "
+                         f"num_heads={num_heads}")
 
     def split_for(slots: int) -> SplitPlan:
         wanted = min(max(1, slots // base_ctas), MAX_SPLITS)  # rounded down: never a second wave

@@ -9,7 +9,9 @@ import torch
 from cute_kernels.sparse_mla_decode.cache_format import default_block_stride, pack_latent
 from cute_kernels.sparse_mla_decode.layout import D_NOPE, D_QK, NUM_TILES, ROW_BYTES, SCALE_BYTES, TOKEN_BYTES
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+from .api import INT32_MAX
+
+INT32_MIN = -(2**31)
 
 
 def make_cache(num_blocks: int, page: int, *, device, block_stride: int | None = None, poison_blocks=(),

@@ -118,8 +118,8 @@ def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
 
 
 def precisions_for(arch: str) -> tuple[str, ...]:
-    """The compute paths compiled for ``arch``: bf16 and fp8 everywhere, and the block-scaled
-    FP8 form ("mxf8") where the hardware has it."""
+    """The compute paths compiled for ``arch``: "bf16", "f16" (the default) and "fp8"
+    everywhere, and the block-scaled FP8 form ("mxf8") where the hardware has it."""
     return tuple(p for p in PRECISIONS if p != "mxf8" or arch in BLOCK_SCALED_ARCHS)
 
 

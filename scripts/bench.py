@@ -45,7 +45,8 @@ from scripts.mma_ceiling import HEAD_GROUPS, converted_ceiling_tflops, mma_ceili
 from dispatch.testing import make_cache
 
 NUM_BLOCKS, PAGE = 4096, 64
-# FlashMLA SM90 times (us) on an H200 by this method (docs/performance.md): (T, H, shape) -> us
+# FlashMLA SM90 times (us) on an H200 by this method: (T, H, shape) -> us; the source of the
+# FlashMLA table of docs/performance.md (tests/test_packaging.py checks that they agree)
 FLASHMLA_US = {
     (1, 16, "128"): 15.1, (1, 16, "512"): 17.0, (1, 16, "1024"): 19.0,
     (1, 64, "128"): 15.5, (1, 64, "512"): 17.1, (1, 64, "1024"): 18.9,

@@ -7,8 +7,9 @@ measurement. The model, per shape of scripts.bench's grid:
 
     time = FIXED_US + max(issue_us, tensor_us, memory_us)
 
-- issue_us: the partial kernel is bound by instruction issue on the H200 (ncu: issue slots
-  26% busy, docs/performance.md). Per SM it issues (CTAs per SM) x (chunks per CTA) x (the
+- issue_us: the partial kernel is bound by instruction issue on the H200 (ncu at T=64 H=64
+  topk=512: issue slots 26% busy, ``ISSUE_RATE`` below; ``partial_f16.py``'s docstring gives
+  45% at 64 x 128 x 1024 for the current kernel). Per SM it issues (CTAs per SM) x (chunks per CTA) x (the
   main loop's warp-instructions per chunk and CTA: instructions per thread and chunk in the
   sm_120a SASS of the shipped kernel times the warps running that loop); at ISSUE_RATE warp-instructions per scheduler and cycle, 4
   schedulers per SM, the device's boost clock. The split and the head groups are the ones

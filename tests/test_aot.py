@@ -178,3 +178,150 @@ def test_concurrent_writers_share_one_disk_cache_entry(tmp_path):
     out, err = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, cwd=tmp_path).communicate(timeout=300)
     assert json.loads(out.strip().splitlines()[-1]) == {"compiled": 0, "aot_loaded": 0, "disk_loaded": 1}, err
+
+
+# ---------------------------------------------------------------------- lookup order
+def _altered_copy(built, tmp_path, name, how):
+    """A copy of ``built`` whose every entry is stale (``how="stale"``) or whose objects are
+    truncated (``how="corrupt"``)."""
+    copy = tmp_path / name
+    shutil.copytree(built, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for entry in manifest["entries"].values():
+        if how == "stale":
+            entry["fingerprint"]["source_hash"] = "an older source"
+        else:
+            obj = copy / entry["object"]
+            obj.write_bytes(obj.read_bytes()[:100])
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize("require", [False, True])
+@pytest.mark.parametrize("how", ["stale", "corrupt"])
+def test_a_bad_entry_never_hides_an_up_to_date_one_further_on(built, tmp_path, monkeypatch, caplog, how, require):
+    """$DSV4_MLA_AOT_DIR holding a stale or corrupt entry, the installed package a valid one:
+    the valid one loads, compiling on or off, and nothing says a compile happens."""
+    monkeypatch.setenv("DSV4_MLA_AOT_DIR", str(_altered_copy(built, tmp_path, "env_dir", how)))
+    monkeypatch.setattr(loader, "PACKAGE_AOT_DIR", built)
+    loader.set_require_aot(require)
+    with caplog.at_level(logging.WARNING, logger="dsv4_mla"):
+        for v in aot_build.planned_variants(["sm_120a"], SLICE):
+            assert loader.get_compiled(v) is not None
+    assert loader.stats == {"compiled": 0, "aot_loaded": 3, "disk_loaded": 0}
+    assert f"is {how}" in caplog.text and "skipped" in caplog.text and "compil" not in caplog.text
+
+
+def test_no_jit_switch_names_the_stale_entries_it_skipped(built, tmp_path, caplog):
+    loader.set_aot_dir(_altered_copy(built, tmp_path, "stale", "stale"))
+    loader.set_require_aot(True)
+    (v,) = aot_build.planned_variants(["sm_120a"], "merge_t128_b8_sink0")
+    with caplog.at_level(logging.WARNING, logger="dsv4_mla"), pytest.raises(loader.MissingAotVariant) as info:
+        loader.get_compiled(v)
+    assert "has no up-to-date entry" in str(info.value) and "stale: stale" in str(info.value)
+    assert "compiling it" not in caplog.text and loader.stats["compiled"] == 0
+
+
+# ---------------------------------------------------------------------- what a build keeps and ships
+def _fake_entry(out, variant, fp=None):
+    from dispatch.fingerprint import fingerprint
+
+    obj = out / f"{variant.name}.o"
+    obj.write_bytes(variant.name.encode())
+    (out / f"{variant.name}.h").write_text("")
+    return {"fingerprint": fp or fingerprint(variant), "object": obj.name, "object_sha256": loader.sha256_file(obj)}
+
+
+def test_build_drops_the_entries_its_archs_no_longer_plan(tmp_path, monkeypatch):
+    import cute_kernels.sass_check as sass_check
+    from dispatch.variants import KernelVariant
+    from cute_kernels.sparse_mla_decode.config import MergeConfig
+
+    monkeypatch.setattr(sass_check, "require_sass_tools", lambda: None)
+    (planned,) = aot_build.planned_variants(["sm_120a"], "merge_t128_b8_sink0")
+    gone_120 = KernelVariant(MergeConfig(num_threads=256), "sm_120a")  # outside the registry
+    other_arch = KernelVariant(MergeConfig(num_threads=256), "sm_90a")
+    entries = {v.name: _fake_entry(tmp_path, v) for v in (planned, gone_120, other_arch)}
+    aot_build._write_manifest(tmp_path, entries)
+    assert aot_build.build(["sm_120a"], tmp_path, jobs=1, only="^none$") == []  # compiles nothing
+    assert set(loader.read_manifest(tmp_path)["entries"]) == {planned.name, other_arch.name}
+    assert not (tmp_path / f"{gone_120.name}.o").exists() and not (tmp_path / f"{gone_120.name}.h").exists()
+    assert (tmp_path / f"{other_arch.name}.o").exists() and (tmp_path / f"{planned.name}.o").exists()
+
+
+def test_the_wheel_ships_only_up_to_date_entries_of_the_planned_variants(tmp_path):
+    from dispatch.fingerprint import fingerprint
+    from dispatch.variants import KernelVariant
+    from cute_kernels.sparse_mla_decode.config import MergeConfig
+
+    good, stale = aot_build.planned_variants(["sm_120a"], "merge_t128_b8_sink")
+    (other_arch,) = aot_build.planned_variants(["sm_121a"], "merge_t128_b8_sink0")
+    unplanned = KernelVariant(MergeConfig(num_threads=256), "sm_120a")
+    entries = {v.name: _fake_entry(tmp_path, v) for v in (good, other_arch, unplanned)}
+    entries[stale.name] = _fake_entry(tmp_path, stale, {**fingerprint(stale), "source_hash": "an older source"})
+    aot_build._write_manifest(tmp_path, entries)
+    assert set(aot_build.wheel_entries(tmp_path, ["sm_120a"])) == {good.name}
+    assert set(aot_build.wheel_entries(tmp_path, ["sm_120a", "sm_121a"])) == {good.name, other_arch.name}
+
+
+def test_the_command_line_refuses_an_unknown_arch(capsys):
+    with pytest.raises(SystemExit) as info:
+        aot_build.main(["--arch", "sm_100a"])
+    assert info.value.code == 2 and "invalid choice: 'sm_100a'" in capsys.readouterr().err
+
+
+def test_wheel_needs_a_source_checkout_before_any_build(monkeypatch, tmp_path):
+    def installed():
+        raise SystemExit("--wheel packages a source checkout")
+
+    monkeypatch.setattr(aot_build, "source_checkout", installed)
+    monkeypatch.setattr(aot_build, "build", lambda *a, **k: pytest.fail("built before checking for a source checkout"))
+    with pytest.raises(SystemExit, match="source checkout"):
+        aot_build.main(["--out", str(tmp_path / "aot"), "--wheel", str(tmp_path / "wheels")])
+
+
+def test_build_leaves_no_cubin_dump_behind(tmp_path, monkeypatch):
+    """The build's temporary directories (its own and its workers', which inherit TMPDIR) are gone after it."""
+    import tempfile
+
+    monkeypatch.delenv("CUTE_DSL_DUMP_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    (tmp_path / "tmp").mkdir()
+    assert aot_build.main(["--arch", "sm_121a", "--only", "merge_t128_b8_sink0", "--out", str(tmp_path / "aot"),
+                           "--jobs", "1"]) == 0
+    assert list((tmp_path / "tmp").glob("dsv4_mla_cubin_*")) == []  # (the DSL keeps its own cache there)
+
+
+def test_project_version_falls_back_to_the_installed_metadata(monkeypatch, tmp_path):
+    from importlib import metadata
+
+    from dispatch import fingerprint as fp
+
+    monkeypatch.setattr(fp, "_ROOT", tmp_path)  # no pyproject.toml: an installed wheel
+    monkeypatch.setattr(metadata, "version", lambda dist: {fp.DISTRIBUTION: "9.8.7"}[dist])
+    assert fp._project_version() == "9.8.7"
+
+
+# ---------------------------------------------------------------------- dsv4-mla-check-aot's bound
+def test_check_aot_spot_check_fails_an_error_above_twice_the_floor():
+    import torch
+
+    from cute_kernels.sparse_mla_decode.reference import reference_decode
+    from dispatch.check_aot import spot_check
+    from dispatch.testing import make_cache, make_indices
+
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache(8, 64, device="cpu", gen=gen)
+    q = torch.randn(40, 16, 512, generator=gen).bfloat16()
+    idx = make_indices(40, 100, 512, device="cpu", gen=gen)
+    kw = {"topk_length": torch.randint(0, 101, (40,), generator=gen, dtype=torch.int32)}
+    ref, _ = reference_decode(q, cache, idx, **kw)
+    rounded = ref.to(torch.bfloat16)  # exactly the floor: half the bound
+    for precision in ("f16", "fp8"):
+        ratio, bad = spot_check(precision, q, cache, idx, kw, rounded)
+        assert bad == [] and ratio <= 0.5 + 1e-9, (precision, ratio)
+    wrong = rounded.clone()
+    wrong[5] *= 1.01  # a token 1% off (one of the 16 checked)
+    ratio, bad = spot_check("f16", q, cache, idx, kw, wrong)
+    assert bad == [5] and ratio > 1

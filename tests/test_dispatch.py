@@ -190,6 +190,12 @@ def _call(overrides, **kwargs):
     return sparse_mla_decode(base.pop("q"), base.pop("kv_cache"), base.pop("indices"), **base, **kwargs)
 
 
+# q [B=2, S=2, H, 512]: 4 tokens whose lengths may come as [2, 2]
+_BATCHED = dict(q=torch.randn(2, 2, 16, 512).to(torch.bfloat16), indices=make_indices(4, 128, 256, device="cpu"))
+# [2, 2] int32 rows 4 apart: no [4] view of it exists (reshape would copy, and the kernels read the original)
+_STRIDED_ROWS = torch.zeros(2, 4, dtype=torch.int32)[:, :2]
+
+
 BAD = [
     ("q float32", dict(q=torch.randn(2, 16, 512)), {}, "q must be bfloat16"),
     ("q width 576", dict(q=torch.randn(2, 16, 576).to(torch.bfloat16)), {}, "expected d_qk = 512"),
@@ -222,9 +228,14 @@ BAD = [
                                  extra_indices=torch.zeros(2, 64, dtype=torch.int32)), "extra_kv_cache of shape"),
     ("length int64", {}, dict(topk_length=torch.zeros(2, dtype=torch.int64)), "topk_length must be int32"),
     ("length shape", {}, dict(topk_length=torch.zeros(2, 1, dtype=torch.int32)), "topk_length has shape [2, 1]"),
+    ("length rows strided", _BATCHED, dict(topk_length=_STRIDED_ROWS), "topk_length must be contiguous"),
     ("extra length shape", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
                                     extra_indices=torch.zeros(2, 64, dtype=torch.int32),
                                     extra_topk_length=torch.zeros(3, dtype=torch.int32)), "extra_topk_length has shape"),
+    ("extra length rows strided", _BATCHED, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
+                                                 extra_indices=torch.zeros(4, 64, dtype=torch.int32),
+                                                 extra_topk_length=_STRIDED_ROWS),
+     "extra_topk_length must be contiguous"),
     ("sink shape", {}, dict(attn_sink=torch.zeros(8)), "attn_sink has shape [8], expected [16]"),
     ("sink dtype", {}, dict(attn_sink=torch.zeros(16, dtype=torch.bfloat16)), "attn_sink must be float32"),
     ("sm_scale nan", {}, dict(sm_scale=math.nan), "sm_scale must be a finite"),
@@ -328,3 +339,149 @@ def test_plan_overrides_refuse_what_no_kernel_has(overrides, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         PlanOverrides(**overrides).check()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(head_groups=True), "overrides.head_groups must be an int or None, got True (bool)"),
+    (dict(num_splits=2.0), "overrides.num_splits must be an int or None, got 2.0 (float)"),
+    (dict(num_stages="3"), "overrides.num_stages must be an int or None, got '3' (str)"),
+    (dict(two_ctas_per_sm=1), "overrides.two_ctas_per_sm must be True, False or None, got 1 (int)"),
+])
+def test_plan_overrides_refuse_the_wrong_types(overrides, message):
+    from dispatch import PlanOverrides
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PlanOverrides(**overrides).check()
+
+
+def test_plan_overrides_name_the_precision_a_register_bound_does_not_fit():
+    from dispatch import PlanOverrides
+
+    PlanOverrides(two_ctas_per_sm=True).check("f16")
+    PlanOverrides(two_ctas_per_sm=False).check("bf16")
+    for precision in ("bf16", "fp8", "mxf8"):
+        with pytest.raises(ValueError, match=rf"overrides.two_ctas_per_sm=True .*precision is '{precision}'"):
+            PlanOverrides(two_ctas_per_sm=True).check(precision)
+
+
+def test_split_plan_refuses_an_empty_grid():
+    cfg = partial_shape_config(16, 1, 188, topk=128, smem_per_sm=SM120_SMEM_PER_SM)
+    with pytest.raises(ValueError, match="at least one token and one head"):
+        plan_splits(0, 16, 128, 0, cfg=cfg, num_sms=188, smem_per_sm=SM120_SMEM_PER_SM)
+
+
+def test_a_plan_of_no_token_is_refused():
+    from dispatch import plan_sparse_mla_decode
+
+    base = _inputs(T=0)
+    with pytest.raises(InvalidDecodeInput, match="a plan needs at least one token; sparse_mla_decode returns at once"):
+        plan_sparse_mla_decode(base["q"], base["kv_cache"], base["indices"])
+
+
+@pytest.mark.parametrize("adapter", ["flash_mla", "trtllm", "trtllm_no_lse"])
+def test_adapters_refuse_an_unknown_lse_convention_first(adapter):
+    """Before any device work (the CPU inputs would be refused next) and whether or not an lse
+    is returned."""
+    from dispatch import adapters
+
+    base = _inputs()
+    with pytest.raises(InvalidDecodeInput, match="lse_convention must be one of") as info:
+        if adapter == "flash_mla":
+            adapters.flash_mla_with_kvcache(base["q"][None], base["kv_cache"], indices=base["indices"][None],
+                                            is_fp8_kvcache=True, lse_convention="log10")
+        else:
+            adapters.trtllm_batch_decode_sparse_mla_dsv4(base["q"], base["kv_cache"], None, base["indices"],
+                                                         return_lse=adapter == "trtllm", lse_convention="log10")
+    assert info.value.metadata.num_heads == 16
+
+
+# ---------------------------------------------------------------------- plans on CPU tensors
+def _cpu_plan(monkeypatch, precision="f16", **kwargs):
+    """A plan built on CPU tensors for sm_120a (``validate_call``'s ``_target``), with its
+    kernels stubbed: its checks run, nothing is compiled or launched."""
+    from dispatch import loader
+    from dispatch.api import validate_call
+    from dispatch.plan import DecodePlan
+
+    monkeypatch.setattr(loader, "get_compiled", lambda variant: None)
+    monkeypatch.setattr(DecodePlan, "_make_kernels", lambda self, values: [])
+    base = _inputs()
+    base.update(kwargs)
+    call = validate_call(base.pop("q"), base.pop("kv_cache"), base.pop("indices"), precision=precision,
+                         _target=("sm_120a", 188, SM120_SMEM_PER_SM), **base)
+    return DecodePlan(call), call
+
+
+def _misaligned(t: torch.Tensor, offset_bytes: int) -> torch.Tensor:
+    """A view of ``t``'s shape and strides whose address is ``offset_bytes`` past an aligned one."""
+    step = offset_bytes // t.element_size()
+    buf = torch.zeros(t.numel() + 512 // t.element_size(), dtype=t.dtype)
+    start = (-buf.data_ptr() % 256) // t.element_size() + step
+    return torch.as_strided(buf, t.shape, t.stride(), start)
+
+
+def test_plan_run_refuses_a_misaligned_tensor(monkeypatch):
+    plan, call = _cpu_plan(monkeypatch)
+    kw = dict(out=call.out, lse=call.lse, scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8))
+    plan._checked_values("run", (call.q, call.kv_cache, call.indices, None, None, call.out, call.lse, None, None,
+                                 None), None, kw["scratch"])  # the planned tensors pass
+    for name, offset, align in (("q", 8, 16), ("out", 4, 8)):
+        tensors = dict(q=call.q, out=call.out)
+        tensors[name] = _misaligned(tensors[name], offset)
+        assert tensors[name].stride() == getattr(call, name).stride()
+        for caller in ("run", "bind"):
+            with pytest.raises(ValueError, match=rf"DecodePlan.{caller}: {name} starts at address 0x[0-9a-f]+, "
+                                                 rf"not {align}-byte aligned"):
+                getattr(plan, caller)(tensors["q"], call.kv_cache, call.indices, out=tensors["out"], lse=call.lse,
+                                      scratch=kw["scratch"])
+
+
+def test_plan_alignment_comes_from_the_kernel_argument_schema(monkeypatch):
+    from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
+    from dispatch.plan import _RUN_TENSORS
+
+    plan, _ = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, dtype=torch.int32))
+    schema = {a.name: a.align for a in PARTIAL_ARGS}
+    aligns = dict(zip((name for name, _ in _RUN_TENSORS), plan._aligns))
+    assert aligns["q"] == schema["q"] == 16 and aligns["kv_cache"] == schema["main_cache"] == 16
+    assert aligns["out"] == schema["out"] == 8 and aligns["topk_length"] == schema["main_len"] == 4
+
+
+def test_plan_run_refuses_lengths_that_are_not_one_int_per_token_in_order(monkeypatch):
+    plan, call = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, 2, dtype=torch.int32), **_BATCHED)
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"DecodePlan.run: topk_length has shape \[2, 2\], strides \[4, 1\]"):
+        plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=scratch,
+                 topk_length=_STRIDED_ROWS)
+
+
+def test_run_and_bind_take_the_planned_tensors_by_name():
+    import inspect
+
+    from dispatch.plan import _RUN_TENSORS, DecodePlan
+
+    for method in (DecodePlan.run, DecodePlan.bind):
+        params = inspect.signature(method).parameters
+        assert all(name in params for name, _ in _RUN_TENSORS), method
+
+
+def test_kernel_params_take_the_schema_and_at_most_the_stream():
+    from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, KernelParams
+
+    n = len(MERGE_ARGS)  # the stream last
+    p = KernelParams(MERGE_ARGS, list(range(n)))  # a launcher's arguments, the stream's dropped
+    assert p.num_heads == 4 and not hasattr(p, "stream")
+    assert KernelParams(MERGE_ARGS, list(range(n - 1))).lse_stride_h == n - 2  # without the stream
+    for count in (n + 1, n - 2):
+        with pytest.raises(ValueError, match=f"{n - 1} kernel arguments expected"):
+            KernelParams(MERGE_ARGS, list(range(count)))
+
+
+def test_the_bf16_dequantize_width_cannot_be_tuned_away_from_its_loads(monkeypatch):
+    from cute_kernels.sparse_mla_decode import tuning
+
+    PartialConfig(precision="bf16").check()
+    monkeypatch.setattr(tuning, "DEQUANT_VALUES", 8)
+    with pytest.raises(ValueError, match="DEQUANT_VALUES is 8"):
+        PartialConfig(precision="bf16").check()
+    PartialConfig(precision="f16").check()  # the other paths do not use it

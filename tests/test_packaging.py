@@ -1,12 +1,15 @@
 """The project as users get it (CPU): the wheel, its prebuilt kernels, the commands, the tree.
 
 - ``dsv4-mla-aot-build --wheel`` makes a wheel holding ``cute_kernels`` and ``dispatch`` only,
-  with the main job's kernels; installed outside the source tree, it imports, its commands
-  run, and with ``DSV4_MLA_REQUIRE_AOT=1`` every variant a deployment shape plans loads from
-  its manifest with no compile.
+  with the main job's kernels; installed outside the source tree, it imports, its
+  ``dsv4-mla-aot-build`` reports its own manifest (``--report``, no compile), both commands
+  answer ``--help``, and with ``DSV4_MLA_REQUIRE_AOT=1`` every variant a deployment shape
+  plans loads from its manifest with no compile.
 - The README's two commands are what CI runs; shipped code imports neither ``tests`` nor
-  ``scripts`` and nothing edits ``sys.path``; ``dispatch`` has no import cycle.
-- The docs speak of the project only and the README stays short.
+  ``scripts`` and nothing touches ``sys.path`` (nor ``site.addsitedir``); ``dispatch`` has no
+  import cycle.
+- The docs speak of the project only and the README stays short; their numbers agree with the
+  tables they quote.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("cute_kernels", "dispatch")
@@ -70,6 +75,12 @@ def test_wheel_holds_the_library_and_serves_every_deployment_shape_without_compi
         helped = subprocess.run([str(site / "bin" / command), "--help"], env=env, cwd=tmp_path, capture_output=True,
                                 text=True)
         assert helped.returncode == 0 and f"usage: {command}" in helped.stdout, helped.stderr[-2000:]
+    # the installed command at work (no compile, no GPU): the report of the wheel's own manifest
+    reported = subprocess.run([str(site / "bin" / "dsv4-mla-aot-build"), "--report", "--out",
+                               str(site / "dispatch" / "aot_data")], env=env, cwd=tmp_path, capture_output=True,
+                              text=True)
+    assert reported.returncode == 0, reported.stderr[-2000:]
+    assert f"{len(entries)} variants; 0 spill; 0 over" in reported.stdout, reported.stdout[-2000:]
 
 
 def _readme_commands() -> list[str]:
@@ -83,8 +94,10 @@ def test_ci_runs_the_readme_commands():
     assert len(commands) == 2
     assert "dsv4-mla-aot-build --arch sm_120a --arch sm_121a" in commands[0]  # the main job
     assert "pytest" in commands[1]
+    assert not any("torch==" in c for c in commands)  # the user's own torch; CI pins its own
     ci = (ROOT / ".ci" / "run").read_text()
     assert "README.md" in ci and "bash -euxo pipefail -c" in ci  # .ci/run runs the README's block itself
+    assert "pip install -q torch==" in ci
 
 
 def _sources(*parts):
@@ -92,13 +105,47 @@ def _sources(*parts):
         yield from sorted((ROOT / part).rglob("*.py"))
 
 
+def _import_path_uses(tree: ast.AST) -> list[int]:
+    """The lines that touch the import path: any use of ``sys.path`` (``sys.path.insert``,
+    ``sys.path += ...``, ``sys.path[:0] = ...``, ``sys.path = ...``, also through ``import sys
+    as s``), ``from sys import path`` and ``site.addsitedir`` (attribute or import)."""
+    modules = {"sys": {"sys"}, "site": {"site"}}  # the names each module is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules:
+                    modules[a.name].add(a.asname or a.name)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
+                (node.value.id in modules["sys"] and node.attr == "path")
+                or (node.value.id in modules["site"] and node.attr == "addsitedir")):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                (node.module == "sys" and any(a.name in ("path", "*") for a in node.names))
+                or (node.module == "site" and any(a.name in ("addsitedir", "*") for a in node.names))):
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("code", [
+    "import sys\nsys.path.insert(0, 'x')", "import sys\nsys.path += ['x']", "import sys\nsys.path[:0] = ['x']",
+    "import sys\nsys.path = ['x']", "from sys import path", "from sys import *", "import sys as s\ns.path.append('x')",
+    "import site\nsite.addsitedir('x')", "from site import addsitedir",
+])
+def test_the_import_path_rule_catches_every_form(code):
+    assert _import_path_uses(ast.parse(code)), code
+
+
+def test_the_import_path_rule_passes_other_uses():
+    assert not _import_path_uses(ast.parse("import sys, os.path\nsys.argv\nos.path.join('a')\nfrom sys import argv"))
+
+
 def test_shipped_code_imports_neither_tests_nor_scripts_and_nothing_edits_sys_path():
     for path in _sources(*LIBRARY, "scripts", "tests"):
         tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):  # sys.path.<anything>: an edit of the import path
-            assert not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                        and node.value.attr == "path" and isinstance(node.value.value, ast.Name)
-                        and node.value.value.id == "sys"), f"{path}:{node.lineno} uses sys.path"
+        lines = _import_path_uses(tree)
+        assert not lines, f"{path}:{lines} touches the import path (sys.path / site.addsitedir)"
         if path.parts[len(ROOT.parts)] in LIBRARY:
             for node in ast.walk(tree):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -160,3 +207,67 @@ def test_the_tree_speaks_of_the_project_only():
             found = re.search(pattern, text, re.I)
             assert found is None, f"{name}: {found.group(0)!r} ({pattern})"
     assert (ROOT / "README.md").stat().st_size <= 8000
+
+
+# ---------------------------------------------------------------------- the docs' numbers
+def _bench_flashmla_us() -> dict:
+    """``FLASHMLA_US`` of scripts/bench.py, read without importing the script."""
+    tree = ast.parse((ROOT / "scripts" / "bench.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FLASHMLA_US" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("no FLASHMLA_US in scripts/bench.py")
+
+
+def _h200_results() -> list[dict]:
+    """The rows of the H200 results table of docs/performance.md."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    section = text.split("<!-- BEGIN H200 RESULTS")[1].split("<!-- END H200 RESULTS")[0]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    head, *lines = block.splitlines()
+    rows = []
+    for line in lines:
+        T, H, shape, us, *_, torch_us, x_torch, flashmla_us, x_flashmla = line.split()
+        rows.append(dict(T=int(T), H=int(H), shape=shape, us=float(us), x_torch=float(x_torch),
+                         flashmla_us=float(flashmla_us), x_flashmla=float(x_flashmla)))
+    return rows
+
+
+def test_the_flashmla_times_are_the_bench_table():
+    bench = _bench_flashmla_us()
+    text = (ROOT / "docs" / "performance.md").read_text()
+    peer = text.split("FlashMLA SM90 on the H200")[1].split("<!-- BEGIN")[0]
+    quoted = {}
+    for line in peer.splitlines():
+        if re.match(r"\| \d", line):
+            T, H, *times = (c.strip() for c in line.strip().strip("|").split("|"))
+            quoted.update({(int(T), int(H), shape): float(us) for shape, us in zip(("128", "512", "1024", "128+512"),
+                                                                                   times)})
+    assert quoted == bench
+    rows = _h200_results()
+    assert len(rows) == 48 and {(r["T"], r["H"], r["shape"]): r["flashmla_us"] for r in rows} == bench
+
+
+def test_the_docs_summaries_match_the_results_table():
+    rows = _h200_results()
+    faster = sum(1 for r in rows if r["x_flashmla"] >= 1.0)
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert f"faster on {faster} of the {len(rows)} shapes" in performance
+    assert f"Faster on {faster} of {len(rows)} shapes" in readme
+    assert f"at least {min(r['x_torch'] for r in rows)}x faster than the float32 torch reference" in performance
+    by_shape = {(r["T"], r["H"], r["shape"]): r for r in rows}
+    for line in readme.splitlines():  # the README's excerpt of the table
+        cells = re.match(r"\| (\d+) x (\d+) \|(.*)\|$", line)
+        if cells:
+            T, H = int(cells.group(1)), int(cells.group(2))
+            for shape, cell in zip(("128", "1024", "128+512"), cells.group(3).split("|")):
+                r = by_shape[(T, H, shape)]
+                assert cell.strip() == f"{r['us']} ({r['x_flashmla']:.2f}x)", (T, H, shape, cell)
+
+
+def test_every_tuning_anchor_has_its_entry():
+    tuning = (ROOT / "cute_kernels" / "sparse_mla_decode" / "tuning.py").read_text()
+    headings = set(re.findall(r"^### (\S+)$", (ROOT / "docs" / "tuning.md").read_text(), re.M))
+    anchors = set(re.findall(r"#.*\[([a-z0-9_]+)\]\s*$", tuning, re.M))
+    assert anchors and anchors <= headings, sorted(anchors - headings)

@@ -1,7 +1,7 @@
 """The accuracy bounds of the GPU tests, in one place, and the check that applies them.
 
-Every bound is relative to what rounding alone already costs on the SAME case, so that a
-systematic error shows even where it is small:
+The out bound and the rounding floors it is relative to are the package's
+(``dispatch/accuracy.py``, shared with ``dsv4-mla-check-aot``):
 
 - out ("bf16", "f16"): per query token, the relative L2 error of out against the float64
   reference at most ``OUT_FLOOR_FACTOR`` times the error that rounding the reference itself
@@ -20,45 +20,17 @@ import zlib
 
 import torch
 
-from cute_kernels.sparse_mla_decode.fp8_model import fp8_path_decode
+from dispatch.accuracy import (  # noqa: F401  (the bounds the GPU tests import from here)
+    MODELLED_PRECISIONS, OUT_FLOOR_FACTOR, bf16_floor, out_error_and_bound, rel_l2_per_token, rounding_floor,
+)
 
-OUT_FLOOR_FACTOR = 2.0
 LSE_TOL = 1e-5
-MODELLED_PRECISIONS = ("fp8", "mxf8")  # the paths whose floor is their own rounding model
 ACCURACY = []  # (case, out rel L2, lse error, error / floor): printed in the terminal summary (conftest.py)
 
 
 def seed_for(name: str) -> int:
     """The fixed seed of a test case: every run draws the same inputs (printed on failure)."""
     return zlib.crc32(name.encode())
-
-
-def rel_l2_per_token(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(error norm, reference norm) per token of ``[T, H, D]`` tensors, in float64."""
-    ref = ref.double()
-    return (out.double() - ref).flatten(1).norm(dim=1), ref.flatten(1).norm(dim=1)
-
-
-def bf16_floor(ref_out: torch.Tensor) -> torch.Tensor:
-    """Per token, the relative L2 error of ``ref_out`` rounded to bf16 (0 for a zero token)."""
-    err, scale = rel_l2_per_token(ref_out.to(torch.bfloat16), ref_out)
-    return torch.where(scale > 0, err / scale.clamp_min(1e-300), torch.zeros_like(err))
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU with its strides kept (a cache view's block stride is part of it)."""
-    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage().cpu(), t.storage_offset(), t.shape, t.stride())
-
-
-def rounding_floor(precision: str, q, cache, idx, kw, ref_out) -> torch.Tensor:
-    """Per token, what rounding alone costs on this case (``tests/tolerances.py``): the
-    reference rounded to bf16, or for the FP8 paths their modelled rounding, then bf16."""
-    if precision not in MODELLED_PRECISIONS:
-        return bf16_floor(ref_out)
-    cpu = {k: (_cpu(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    model_out, _ = fp8_path_decode(q.cpu(), _cpu(cache), idx.cpu(), **cpu)
-    err, scale = rel_l2_per_token(model_out.to(torch.bfloat16), ref_out.cpu())
-    return torch.where(scale > 0, err / scale.clamp_min(1e-300), torch.zeros_like(err))
 
 
 def check_against_reference(out, lse, ref_out, ref_lse, *, floor, seed, what=""):
@@ -72,8 +44,7 @@ def check_against_reference(out, lse, ref_out, ref_lse, *, floor, seed, what="")
     err, scale = rel_l2_per_token(out, ref_out)
     zero = scale == 0
     assert (err[zero] == 0).all(), f"{tag}: tokens whose reference output is 0 must be exactly 0"
-    rel = torch.where(zero, torch.zeros_like(err), err / scale.clamp_min(1e-300))
-    bound = OUT_FLOOR_FACTOR * floor
+    rel, bound = out_error_and_bound(out, ref_out, floor)
     bad = (rel > bound).nonzero().flatten()
     assert bad.numel() == 0, (f"{tag}: out relative L2 error above {OUT_FLOOR_FACTOR} x the rounding floor at tokens "
                               f"{bad[:5].tolist()}: {rel[bad[:5]].tolist()} > {bound[bad[:5]].tolist()}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
 from . import tuning
-from .layout import D_QK, SCALE_BYTES
+from .layout import D_QK, D_V, SCALE_BYTES
 from .smem import Region, SmemPlan
 
 PRECISIONS = ("bf16", "f16", "fp8", "mxf8")
@@ -153,6 +153,9 @@ class PartialConfig:
             raise ValueError(f"warps_per_group {self.warps_per_group} must split {D_QK} into 64-wide slices")
         if self.block_n * (D_QK // 8) % self.num_threads != 0:
             raise ValueError("block_n * 64 must be a multiple of the thread count")
+        if self.precision == "bf16" and tuning.DEQUANT_VALUES != 16:
+            raise ValueError(f"tuning.DEQUANT_VALUES is {tuning.DEQUANT_VALUES}: the \"bf16\" kernel's dequantize "
+                             f"loads assume 16 e4m3 bytes, 16-byte aligned, per thread (partial_bf16.py)")
         if self.two_ctas_per_sm and self.precision != "f16":
             raise ValueError("two_ctas_per_sm is for the \"f16\" kernel (no other kernel has a 128-register bound)")
         if self.stages not in (2, 3):
@@ -194,8 +197,8 @@ class MergeConfig:
         return self.smem_plan().total_bytes
 
     def check(self) -> None:
-        if D_QK % self.num_threads != 0 or (D_QK // self.num_threads) % 4 != 0:
-            raise ValueError(f"num_threads {self.num_threads} must split {D_QK} into groups of 4")
+        if D_V % self.num_threads != 0 or (D_V // self.num_threads) % 4 != 0:
+            raise ValueError(f"num_threads {self.num_threads} must split the {D_V} output dims into groups of 4")
         if self.split_batch not in tuning.MERGE_BATCHES:
             raise ValueError(f"split_batch {self.split_batch} must be one of {tuning.MERGE_BATCHES}")
 

@@ -142,10 +142,12 @@ class KernelParams:
     and rebuilds it inside the kernel."""
 
     def __init__(self, schema: tuple[Arg, ...], values):
+        values = list(values)
+        if len(values) == len(schema):  # the launcher's arguments: drop the stream's (the launch takes it)
+            values = [v for a, v in zip(schema, values) if a.kind != "stream"]
         schema = tuple(a for a in schema if a.kind != "stream")
-        values = list(values)[:len(schema)]
         if len(values) != len(schema):
-            raise ValueError(f"{len(schema)} kernel arguments expected, got {len(values)}")
+            raise ValueError(f"{len(schema)} kernel arguments expected (and optionally the stream), got {len(values)}")
         self._schema, self._values = schema, values
         for a, v in zip(schema, values):
             setattr(self, a.name, v)

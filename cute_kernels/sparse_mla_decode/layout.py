@@ -10,8 +10,11 @@ Per page block of P tokens (FlashMLA's sparse FP8 "MODEL1" layout):
 A block may be followed by padding: the block stride is read from the tensor, never assumed.
 """
 
+import math
+
 D_QK = 512  # query/key width: 448 nope + 64 rope
 DEFAULT_SM_SCALE = D_QK ** -0.5  # the softmax scale when a caller gives none
+LOG2_E = math.log2(math.e)  # the kernels' scores are in log2 units: s * sm_scale * LOG2_E
 D_V = 512  # value width: the same latent
 D_NOPE = 448
 D_ROPE = 64

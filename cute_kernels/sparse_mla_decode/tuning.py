@@ -1,8 +1,9 @@
 """Every tuning constant of the kernels and of the dispatch, each with its reason in one line.
 
 A tuning constant is a choice made by measurement (the alternatives compute the same result).
-``docs/tuning.md`` has one entry per constant, under the heading of its name in lower case:
-the rule, the measurement that decided it, the commit and date. Facts of the design (tile
+Each one's reason ends in a bracketed anchor (``[rescale_log2]``); ``docs/tuning.md`` has an
+entry under a heading of exactly that text (a few related constants share one): the rule, the
+measurement that decided it, the commit and date. Facts of the design (tile
 sizes that the fragment layouts fix, conflict-free strides) live with the code they shape.
 """
 
