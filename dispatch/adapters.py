@@ -1,7 +1,16 @@
 """Drop-in call shapes of other libraries, each a thin layer over ``sparse_mla_decode``.
 
+- ``flash_mla_with_kvcache``: FlashMLA's sparse FP8 decode, on DeepSeek-V4's MODEL1 cache and
+  on DeepSeek-V3.2's 656-byte rows (the format from the cache's width);
+- ``trtllm_batch_decode_sparse_mla_dsv4``: FlashInfer's DeepSeek-V4 call (MODEL1 caches);
+- ``trtllm_batch_decode_with_kv_cache_mla``: FlashInfer's MLA decode in the sparse form its
+  SM120 backend serves for the FP32-scale formats (DeepSeek-V3.2 and GLM-5.x's 656-byte rows,
+  GLM-5.3's rope-free rows), the call vLLM's SM120 sparse backend makes for these models.
+
 Every adapter states its log-sum-exp convention as an explicit ``lse_convention`` argument
-(``dispatch.lse``: "natural", FlashMLA's and this library's; "log2_with_sink", FlashInfer's).
+(``dispatch.lse``: "natural", FlashMLA's and this library's; "log2_with_sink" and
+"natural_with_sink", FlashInfer's). What an adapter does not serve is refused with an
+``InvalidDecodeInput`` naming it, before any GPU work.
 """
 
 from __future__ import annotations
@@ -10,18 +19,31 @@ import math
 
 import torch
 
+from cute_kernels.sparse_mla_decode.cache_format import format_of
+from cute_kernels.sparse_mla_decode.kv_format import D_V, FORMATS, MODEL1_FP8, KvFormat
+
 from .api import sparse_mla_decode
-from .lse import check_convention, convert_lse
+from .lse import LSE_CONVENTIONS, check_convention, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
 
 
-def _refuse(problem: str, q) -> None:
-    md = DecodeMetadata(num_tokens=None if not isinstance(q, torch.Tensor) else math.prod(q.shape[:-2]),
-                        num_heads=None if not isinstance(q, torch.Tensor) else q.shape[-2],
-                        d_qk=None if not isinstance(q, torch.Tensor) else q.shape[-1])
+def _refuse(problem: str, q, kv_format: str | None = None) -> None:
+    """Raise ``InvalidDecodeInput`` for ``problem``, naming what can be read of the call."""
+    shaped = isinstance(q, torch.Tensor) and q.dim() >= 3
+    md = DecodeMetadata(num_tokens=math.prod(q.shape[:-2]) if shaped else None,
+                        num_heads=q.shape[-2] if shaped else None,
+                        d_qk=q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() >= 1 else None,
+                        kv_format=kv_format)
     raise InvalidDecodeInput(md, problem)
 
 
+def _known_format(cache, kv_format: str | None) -> KvFormat | None:
+    """The format ``cache`` is read as (``kv_format``, or its width), None where that cannot
+    be told: ``sparse_mla_decode`` then refuses the cache with the reason."""
+    try:
+        return format_of(cache, kv_format)
+    except Exception:
+        return None
 def _check_convention(convention, q) -> None:
     """Refuse an unknown lse convention before any GPU work (whether or not an lse is returned)."""
     try:
@@ -35,7 +57,7 @@ def flash_mla_with_kvcache(
     k_cache: torch.Tensor,
     block_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
-    head_dim_v: int = 512,
+    head_dim_v: int = D_V,
     tile_scheduler_metadata=None,
     num_splits=None,
     softmax_scale: float | None = None,
@@ -49,26 +71,40 @@ def flash_mla_with_kvcache(
     extra_topk_length: torch.Tensor | None = None,
     *,
     lse_convention: str = "natural",
+    kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's ``flash_mla_with_kvcache`` call shape, sparse FP8 decode only.
 
-    ``q [B, S, H, 512]``, ``indices [B, S, topk]``; returns ``out [B, S, H, 512]`` bf16 and
-    ``softmax_lse [B, H, S]`` float32, as FlashMLA lays them out. ``tile_scheduler_metadata``
-    and ``num_splits`` are accepted and not needed (this library plans its own split).
+    DeepSeek-V4: ``q [B, S, H, 512]`` on a MODEL1 cache ``[num_blocks, P, 1, 584]`` (and its
+    extra cache); DeepSeek-V3.2: ``q [B, S, H, 576]`` on ``[num_blocks, P, 1, 656]``. The
+    format comes from the cache's width (``kv_format`` names it where the width does not);
+    ``head_dim_v`` must be its value width (512). ``indices [B, S, topk]``. Returns
+    ``out [B, S, H, 512]`` bf16 and ``softmax_lse [B, H, S]`` float32, as FlashMLA lays them
+    out. ``tile_scheduler_metadata`` and ``num_splits`` are accepted and not needed (this
+    library plans its own split).
     """
     _check_convention(lse_convention, q)
+    fmt = _known_format(k_cache, kv_format)
+    name = None if fmt is None else fmt.name
     if indices is None or not is_fp8_kvcache:
-        _refuse("only the sparse FP8 decode path is served: pass indices and is_fp8_kvcache=True", q)
+        _refuse("only the sparse FP8 decode path is served: pass indices and is_fp8_kvcache=True", q, name)
     if block_table is not None or cache_seqlens is not None or causal:
-        _refuse("sparse decode takes no block_table, cache_seqlens or causal (the indices select the slots)", q)
-    if head_dim_v != 512:
-        _refuse(f"head_dim_v must be 512, got {head_dim_v}", q)
+        _refuse("sparse decode takes no block_table, cache_seqlens or causal (the indices select the slots)", q, name)
+    if fmt is not None and head_dim_v != fmt.d_v:
+        _refuse(f"head_dim_v must be {fmt.d_v} (the value width of {fmt.name} caches), got {head_dim_v}", q, name)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        _refuse(f"q must be [batch, seq_q, num_heads, 512], got {getattr(q, 'shape', type(q).__name__)}", q)
+        width = "d_qk" if fmt is None else fmt.d_qk
+        _refuse(f"q must be [batch, seq_q, num_heads, {width}], got {getattr(q, 'shape', type(q).__name__)}", q,
+                name)
     out, lse = sparse_mla_decode(q, k_cache, indices, sm_scale=softmax_scale, topk_length=topk_length,
                                  attn_sink=attn_sink, extra_kv_cache=extra_k_cache,
-                                 extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length)
+                                 extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length,
+                                 kv_format=kv_format)
     return out, convert_lse(lse, attn_sink, lse_convention).transpose(1, 2)
+
+
+# the format FlashInfer's DeepSeek-V4 call reads (its default "fp8" kv_cache_format)
+_DSV4_FORMAT = MODEL1_FP8.name
 
 
 def trtllm_batch_decode_sparse_mla_dsv4(
@@ -96,6 +132,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
 ):
     """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` call shape (its SM120 segment form).
 
+    DeepSeek-V4's call: both caches are MODEL1 caches (``[num_blocks, P, 1, 584]`` or HND).
     ``query [B, S, H, 512]`` or ``[B, H, 512]``; the main list is ``sparse_indices`` into
     ``swa_kv_cache`` with lengths ``swa_topk_lens`` (``sparse_topk_lens`` is accepted as the
     same thing; not both); the extra list is ``extra_sparse_indices`` into
@@ -106,21 +143,24 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     FlashInfer's log2 with the sink folded in, shaped like ``out`` without its last dim).
     """
     _check_convention(lse_convention, query)
+    fmt = FORMATS[_DSV4_FORMAT]
     if cum_seq_lens_q is not None:
-        _refuse("cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, 512]", query)
+        _refuse(f"cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, {fmt.d_qk}]", query,
+                fmt.name)
     if bmm2_scale != 1.0:
-        _refuse(f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}", query)
+        _refuse(f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}", query, fmt.name)
     if sparse_topk_lens is not None and swa_topk_lens is not None:
-        _refuse("pass the main list's lengths once: sparse_topk_lens or swa_topk_lens, not both", query)
+        _refuse("pass the main list's lengths once: sparse_topk_lens or swa_topk_lens, not both", query, fmt.name)
     if kv_layout not in ("HND", "NHD"):
-        _refuse(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}", query)
+        _refuse(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}", query, fmt.name)
     for name, cache in (("swa_kv_cache", swa_kv_cache), ("compressed_kv_cache", compressed_kv_cache)):
         if isinstance(cache, torch.Tensor) and cache.dim() == 4:
-            head_axis = 1 if kv_layout == "HND" else 2  # [nb, 1, P, 584] or [nb, P, 1, 584]
+            head_axis = 1 if kv_layout == "HND" else 2  # [nb, 1, P, W] or [nb, P, 1, W]
             if cache.shape[head_axis] != 1:
-                _refuse(f"{name} of shape {list(cache.shape)} is not laid out as kv_layout={kv_layout!r}", query)
+                _refuse(f"{name} of shape {list(cache.shape)} is not laid out as kv_layout={kv_layout!r}", query,
+                        fmt.name)
     if (compressed_kv_cache is None) != (extra_sparse_indices is None):
-        _refuse("compressed_kv_cache and extra_sparse_indices go together: pass both or neither", query)
+        _refuse("compressed_kv_cache and extra_sparse_indices go together: pass both or neither", query, fmt.name)
     lengths = swa_topk_lens if swa_topk_lens is not None else sparse_topk_lens
     squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
     q = query.unsqueeze(1) if squeeze else query
@@ -131,9 +171,179 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     o = None if out is None else (out.unsqueeze(1) if squeeze else out)
     result, lse = sparse_mla_decode(q, swa_kv_cache, idx, sm_scale=float(bmm1_scale), topk_length=lengths,
                                     attn_sink=sinks, extra_kv_cache=compressed_kv_cache, extra_indices=e_idx,
-                                    extra_topk_length=extra_sparse_topk_lens, out=o)
+                                    extra_topk_length=extra_sparse_topk_lens, out=o, kv_format=_DSV4_FORMAT)
     if squeeze:
         result, lse = result.squeeze(1), lse.squeeze(1)
     if not return_lse:
         return result
     return result, convert_lse(lse, sinks, lse_convention)
+
+
+# FlashInfer's kv_scale_format values for its packed FP32-scale sparse backend ("auto" and
+# "pow2_fp32": DeepSeek-V3.2's power-of-two scales; "arbitrary_fp32": GLM's). The kernels here
+# apply any FP32 scale exactly, so each only has to name an FP32-scale format.
+FP32_SCALE_FORMATS = ("auto", "pow2_fp32", "arbitrary_fp32")
+# what FlashInfer's return_lse_base asks for, as this library's lse conventions
+_LSE_BASES = {None: "log2_with_sink", "base2": "log2_with_sink", "basee": "natural_with_sink"}
+
+
+def _fp32_scale_format(kv_lora_rank, qk_rope_head_dim) -> KvFormat | None:
+    """The inline FP32-scale format of these widths: V3.2's rows (512 + 64, which GLM-5.x
+    uses too), GLM-5.3's (512 + 0); None for any other pair."""
+    found = [f for f in FORMATS.values()
+             if f.scale_type == "fp32" and (f.nope_dims, f.rope_dims) == (kv_lora_rank, qk_rope_head_dim)]
+    return found[0] if len(found) == 1 else None
+
+
+def _served_formats() -> str:
+    return ", ".join(f"{f.name} ({f.nope_dims} + {f.rope_dims})" for f in FORMATS.values() if f.scale_type == "fp32")
+
+
+def _per_token_lengths(seq_lens, top_k_lens, batch: int, seq_q: int, refuse):
+    """The main list's lengths, one per query token, from FlashInfer's arguments: ``seq_lens``
+    shaped ``[B, S]`` or ``[B*S]`` (as its sparse backend reads them; ``[B]`` with S > 1,
+    per-request sequence lengths that bound no list, is ignored as it ignores it), or
+    ``sparse_mla_top_k_lens [B*S]`` (which FlashInfer takes for the rope-free layout; here
+    for either); not both."""
+    flat = None
+    if seq_lens is not None:
+        if not isinstance(seq_lens, torch.Tensor):
+            refuse(f"seq_lens must be a torch.Tensor or None, got {type(seq_lens).__name__}")
+        if tuple(seq_lens.shape) == (batch, seq_q) or tuple(seq_lens.shape) == (batch * seq_q,):
+            flat = seq_lens.reshape(batch * seq_q)
+        elif tuple(seq_lens.shape) != (batch,):
+            refuse(f"seq_lens has shape {list(seq_lens.shape)}, expected [{batch}], [{batch * seq_q}] or "
+                   f"[{batch}, {seq_q}]")
+    if top_k_lens is not None:
+        if flat is not None:
+            refuse("pass the per-token lengths once: seq_lens or sparse_mla_top_k_lens, not both")
+        flat = top_k_lens
+    return flat
+
+
+def trtllm_batch_decode_with_kv_cache_mla(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    workspace_buffer: torch.Tensor | None,
+    qk_nope_head_dim: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor | None,
+    max_seq_len: int,
+    sparse_mla_top_k: int = 0,
+    out: torch.Tensor | None = None,
+    bmm1_scale: float = 1.0,
+    bmm2_scale: float = 1.0,
+    sinks=None,
+    skip_softmax_threshold_scale_factor: float | None = None,
+    enable_pdl: bool | None = None,
+    backend: str = "auto",
+    is_var_seq: bool = True,
+    uses_shared_paged_kv_idx: bool = True,
+    lse: torch.Tensor | None = None,
+    return_lse: bool = False,
+    cute_dsl_impl: str = "auto",
+    kv_scale_format: str = "auto",
+    cum_seq_lens_q: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+    multi_ctas_kv_counter_buffer: torch.Tensor | None = None,
+    sparse_mla_top_k_lens: torch.Tensor | None = None,
+    enable_dcp: bool = False,
+    cp_world: int = 1,
+    cp_rank: int = 0,
+    causal_seqlens_kv_global: torch.Tensor | None = None,
+    use_fp16_softmax: bool | None = None,
+    return_lse_base: str | None = None,
+    *,
+    lse_convention: str | None = None,
+):
+    """FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla`` in its sparse form (the call
+    vLLM's SM120 sparse MLA backend makes for DeepSeek-V3.2 and GLM-5.x), for the FP32-scale
+    formats: ``kv_lora_rank=512, qk_rope_head_dim=64`` reads V3.2 / GLM-5.x 656-byte rows
+    (``v32_fp8``), ``kv_lora_rank=512, qk_rope_head_dim=0`` GLM-5.3's rope-free rows
+    (``glm_nope_fp8``, 528- or 656-byte pitch). ``kv_scale_format`` ("auto", "pow2_fp32",
+    "arbitrary_fp32") must name FP32 scales: each is applied exactly, whatever its value.
+
+    ``query [B, S, H, d_qk]`` bf16; ``kv_cache`` ``[num_pages, 1, P, W]`` or
+    ``[num_pages, P, W]`` (uint8); ``block_tables [B, S, sparse_mla_top_k]`` int32 cache slots
+    (-1: none); ``sparse_mla_top_k > 0``. Per-token lengths: ``seq_lens`` shaped ``[B, S]`` or
+    ``[B*S]`` (``[B]`` with S > 1 is ignored, as FlashInfer's sparse backend ignores it), or
+    ``sparse_mla_top_k_lens [B*S]``. ``bmm1_scale`` is the softmax scale (a float);
+    ``bmm2_scale`` must be 1. ``sinks``: a ``[H]`` tensor or a list holding one.
+    ``workspace_buffer``, ``qk_nope_head_dim``, ``max_seq_len``, ``enable_pdl``,
+    ``is_var_seq`` and ``cute_dsl_impl`` are accepted and not needed; ``backend`` must be
+    "auto" or "sparse". Refused: dense decode, ragged queries (``cum_seq_lens_q``), context
+    parallelism, skip-softmax, separate K/V page indices, a counter buffer, fp16 softmax.
+
+    Returns ``out [B, S, H, 512]``; with ``return_lse`` also the lse ``[B*S, H]`` (or written
+    into ``lse``, ``[B*S, H]`` or ``[B, S, H]`` float32) in ``lse_convention``: by default
+    the one ``return_lse_base`` names (None or "base2": "log2_with_sink", FlashInfer's
+    sparse default; "basee": "natural_with_sink"); any of ``dispatch.lse.LSE_CONVENTIONS``.
+    """
+    fmt = _fp32_scale_format(kv_lora_rank, qk_rope_head_dim)
+
+    def refuse(problem: str) -> None:
+        _refuse(problem, query, None if fmt is None else fmt.name)
+
+    if fmt is None:
+        refuse(f"kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim} name no FP32-scale cache format "
+               f"this call serves (kv_lora_rank + qk_rope_head_dim: {_served_formats()}); DeepSeek-V4's MODEL1 "
+               f"cache goes through trtllm_batch_decode_sparse_mla_dsv4")
+    scale_format = str(kv_scale_format).lower().replace("-", "_")
+    if scale_format not in FP32_SCALE_FORMATS:
+        refuse(f"kv_scale_format must be one of {FP32_SCALE_FORMATS} (FP32 scales), got {kv_scale_format!r}")
+    if not isinstance(sparse_mla_top_k, int) or sparse_mla_top_k <= 0:
+        refuse(f"sparse_mla_top_k must be a positive int (dense MLA decode is not served), got {sparse_mla_top_k!r}")
+    if backend not in ("auto", "sparse"):
+        refuse(f"backend must be 'auto' or 'sparse' (the SM120 sparse backend), got {backend!r}")
+    for given, what in ((skip_softmax_threshold_scale_factor is not None, "skip_softmax_threshold_scale_factor"),
+                        (not uses_shared_paged_kv_idx, "uses_shared_paged_kv_idx=False (separate K/V page indices)"),
+                        (cum_seq_lens_q is not None or max_q_len is not None,
+                         "cum_seq_lens_q / max_q_len (ragged query lengths)"),
+                        (multi_ctas_kv_counter_buffer is not None, "multi_ctas_kv_counter_buffer"),
+                        (enable_dcp or cp_world != 1 or cp_rank != 0 or causal_seqlens_kv_global is not None,
+                         "decode context parallelism (enable_dcp, cp_world, cp_rank, causal_seqlens_kv_global)"),
+                        (bool(use_fp16_softmax), "use_fp16_softmax")):
+        if given:
+            refuse(f"{what} is not served by the sparse decode")
+    if isinstance(bmm1_scale, torch.Tensor) or isinstance(bmm2_scale, torch.Tensor):
+        refuse("bmm1_scale and bmm2_scale must be Python floats (device scale tensors are not served)")
+    if bmm2_scale != 1.0:
+        refuse(f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}")
+    if return_lse_base not in _LSE_BASES:
+        refuse(f"return_lse_base must be 'basee', 'base2' or None, got {return_lse_base!r}")
+    convention = _LSE_BASES[return_lse_base] if lse_convention is None else lse_convention
+    if convention not in LSE_CONVENTIONS:
+        refuse(f"lse_convention must be one of {LSE_CONVENTIONS}, got {lse_convention!r}")
+    if return_lse_base is not None and convention != _LSE_BASES[return_lse_base]:
+        refuse(f"return_lse_base={return_lse_base!r} asks for {_LSE_BASES[return_lse_base]!r}, "
+               f"lse_convention={lse_convention!r} for another: pass one")
+    if lse is not None and not return_lse:
+        refuse("lse was given without return_lse=True")
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        got = getattr(query, "shape", type(query).__name__)
+        refuse(f"query must be [batch, seq_q, num_heads, {fmt.d_qk}], got {got}")
+    batch, seq_q, num_heads = query.shape[:3]
+    if not isinstance(block_tables, torch.Tensor) or tuple(block_tables.shape) != (batch, seq_q, sparse_mla_top_k):
+        refuse(f"block_tables has shape {list(getattr(block_tables, 'shape', []))}, expected "
+               f"[{batch}, {seq_q}, {sparse_mla_top_k}] ([batch, seq_q, sparse_mla_top_k] cache slots)")
+    if isinstance(sinks, (list, tuple)):
+        if len(sinks) != 1:
+            refuse(f"sinks must be one [num_heads] tensor or a list holding one, got a list of {len(sinks)}")
+        sinks = sinks[0]
+    lengths = _per_token_lengths(seq_lens, sparse_mla_top_k_lens, batch, seq_q, refuse)
+    cache = kv_cache.unsqueeze(1) if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3 else kv_cache
+    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                            or tuple(lse.shape) not in ((batch * seq_q, num_heads), (batch, seq_q, num_heads))):
+        refuse(f"lse must be float32 [{batch * seq_q}, {num_heads}] or [{batch}, {seq_q}, {num_heads}], got "
+               f"{getattr(lse, 'dtype', type(lse).__name__)} {list(getattr(lse, 'shape', []))}")
+    result, natural = sparse_mla_decode(query, cache, block_tables, sm_scale=float(bmm1_scale), topk_length=lengths,
+                                        attn_sink=sinks, out=out, kv_format=fmt.name)
+    if not return_lse:
+        return result
+    converted = convert_lse(natural, sinks, convention).reshape(batch * seq_q, num_heads)
+    if lse is None:
+        return result, converted
+    lse.copy_(converted.view(lse.shape))
+    return result, lse

@@ -1,5 +1,6 @@
-"""Public API: ``sparse_mla_decode`` and ``plan_sparse_mla_decode``, DeepSeek-V4 sparse MLA
-decode on the FP8 cache, and the validation every call goes through."""
+"""Public API: ``sparse_mla_decode`` and ``plan_sparse_mla_decode``, sparse MLA decode on a
+paged FP8 cache of any format the library reads (``dispatch.kv_formats``), and the
+validation every call goes through."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import math
 import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
-from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, read_cache_view
+from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, format_of, read_cache_view
+from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, KvFormat
 from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
-from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, DEFAULT_SM_SCALE
 
 from .lse import LSE_CONVENTIONS, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
-from .variants import PRECISIONS, resolve_precision
+from .variants import PRECISIONS, check_format_precision, resolve_precision
 
 INT32_MAX = 2**31 - 1  # the largest slot an int32 index can name
 # the byte alignment the kernels assume of each pointer argument (``kernel_args``)
@@ -39,30 +40,49 @@ def _dim(t, i):
         return None
 
 
-def _page_size(cache):
+def _page_size(cache, kv_format):
     try:
-        return read_cache_view(cache).page_block_size
+        return read_cache_view(cache, kv_format).page_block_size
     except Exception:
         return None
 
 
+def _format_name(cache, kv_format) -> str | None:
+    """The name of the format ``cache`` is read as (``kv_format`` or its width), None where
+    that cannot be told yet (the refusal then says why)."""
+    try:
+        return format_of(cache, kv_format).name
+    except Exception:
+        return None
+
+
+def _extra_format(kv_format: str | None) -> str | None:
+    """The format an extra cache is read as: the one a model pairs with the main format
+    (``EXTRA_FORMATS``), None where that is not a single format."""
+    allowed = EXTRA_FORMATS.get(kv_format, ())
+    return allowed[0] if len(allowed) == 1 else None
+
+
 def _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
-                   attn_sink) -> DecodeMetadata:
+                   attn_sink, kv_format=None) -> DecodeMetadata:
     """Best-effort metadata (fields that cannot be read yet stay None) for error messages."""
     lead = None
     if isinstance(q, torch.Tensor) and q.dim() >= 3:
         lead = math.prod(q.shape[:-2])
+    name = _format_name(kv_cache, kv_format)
     return DecodeMetadata(
         num_tokens=lead,
         num_heads=_dim(q, -2) if isinstance(q, torch.Tensor) and q.dim() >= 3 else None,
         d_qk=_dim(q, -1) if isinstance(q, torch.Tensor) else None,
         topk=_dim(indices, -1) if isinstance(indices, torch.Tensor) else None,
-        page_block_size=_page_size(kv_cache),
+        page_block_size=_page_size(kv_cache, name),
         extra_topk=(_dim(extra_indices, -1) if isinstance(extra_indices, torch.Tensor) else 0),
-        extra_page_block_size=_page_size(extra_kv_cache) if extra_kv_cache is not None else None,
+        extra_page_block_size=(_page_size(extra_kv_cache, _extra_format(name)) if extra_kv_cache is not None
+                               else None),
         has_topk_length=topk_length is not None,
         has_extra_topk_length=extra_topk_length is not None,
         has_sink=attn_sink is not None,
+        kv_format=name,
     )
 
 
@@ -103,16 +123,41 @@ class _Checker:
         if t.data_ptr() % align_bytes != 0:
             self.fail(f"{name} data pointer must be {align_bytes}-byte aligned")
 
-    def cache(self, cache, name: str, device: torch.device) -> CacheView:
+    def cache(self, cache, name: str, device: torch.device, kv_format: str | None) -> CacheView:
         if not isinstance(cache, torch.Tensor):
             self.fail(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
         if cache.device != device:
             self.fail(f"{name} is on {cache.device}, expected {device} (the device of q)")
         try:
-            view = read_cache_view(cache, name)
+            view = read_cache_view(cache, kv_format, name=name)
         except CacheLayoutError as err:
             self.fail(str(err))
         return view
+
+    def extra_cache(self, cache, main: KvFormat, device: torch.device) -> CacheView:
+        """The extra cache, read in the format a model pairs with ``main`` (``EXTRA_FORMATS``):
+        any other combination, and an extra cache for a format no model pairs with one, is
+        refused (the kernels read both caches as ``main``'s format)."""
+        allowed = EXTRA_FORMATS.get(main.name, ())
+        if not allowed:
+            served = ", ".join(f"{m} + {e}" for m, extras in EXTRA_FORMATS.items() for e in extras)
+            self.fail(f"an extra_kv_cache is not served with {main.name} caches: no model combines a {main.name} "
+                      f"main cache with an extra cache (main + extra served: {served})")
+        by_width = _format_name(cache, None)  # what the extra cache's own width says, where it says one
+        if by_width is not None and by_width not in allowed:
+            self.fail(f"extra_kv_cache of shape {list(cache.shape)} has {by_width} rows: a {main.name} main cache "
+                      f"combines only with an extra cache of {list(allowed)}")
+        view = self.cache(cache, "extra_kv_cache", device, _extra_format(main.name))
+        if view.fmt.name not in allowed:
+            self.fail(f"extra_kv_cache reads as {view.fmt.name}: a {main.name} main cache combines only with an "
+                      f"extra cache of {list(allowed)}")
+        return view
+
+
+def _qk_width(fmt: KvFormat) -> str:
+    """``fmt``'s QK width in words, for messages: "576 (512 nope + 64 rope dims)"."""
+    rope = f" + {fmt.rope_dims} rope dims" if fmt.rope_dims else " dims, no rope"
+    return f"{fmt.d_qk} ({fmt.nope_dims} nope{rope})"
 
 
 def _flatten_tokens(t: torch.Tensor, keep: int, name: str, check: _Checker) -> torch.Tensor:
@@ -178,7 +223,7 @@ class ValidatedCall:
     num_heads: int
     topk: int
     extra_topk: int
-    main: CacheView
+    main: CacheView  # its ``fmt`` is the call's cache format
     extra: CacheView  # the main cache when there is no extra cache (never read then)
     strides: dict
     sm_scale: float
@@ -198,32 +243,46 @@ class ValidatedCall:
                 "lse": ptr(self.lse), "extra": ptr(self.extra_kv_cache) or ptr(self.kv_cache),
                 "extra_indices": ptr(self.extra_indices), "extra_topk_length": ptr(self.extra_topk_length)}
 
+    @property
+    def fmt(self) -> KvFormat:
+        return self.main.fmt
+
     def plan_key(self) -> tuple:
+        """What a cached plan must match: the device, the compute path, the cache format (the
+        same tensor layout can hold two formats: GLM-5.3 rows in 656-byte pool rows) and
+        every tensor's layout."""
         from .plan import layout_signature
 
-        return (self.device_index, self.precision) + tuple(layout_signature(getattr(self, n)) for n in self.TENSORS)
+        return ((self.device_index, self.precision, self.fmt.name)
+                + tuple(layout_signature(getattr(self, n)) for n in self.TENSORS))
 
 
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                   extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
-                  for_plan=False, _target=None) -> ValidatedCall:
+                  kv_format=None, for_plan=False, _target=None) -> ValidatedCall:
     """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput.
 
-    ``for_plan``: the call is to be planned, which needs at least one token. ``_target``: a
-    testing aid: (arch, SM count, shared memory per SM) to plan for, instead of those of the
-    inputs' CUDA device, so that planning can be checked on CPU tensors (device index -1)."""
+    ``kv_format``: the cache format's name (``dispatch.kv_formats.FORMATS``), or None to take
+    it from the cache's last dimension where only one format has that width. ``for_plan``: the
+    call is to be planned, which needs at least one token. ``_target``: a testing aid: (arch,
+    SM count, shared memory per SM) to plan for, instead of those of the inputs' CUDA device,
+    so that planning can be checked on CPU tensors (device index -1)."""
     md = _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
-                        attn_sink)
+                        attn_sink, kv_format)
     check = _Checker(md)
 
-    # q: [T, H, 512] or [B, S, H, 512]
+    # the main cache first: its format says what q, out and the extra cache must be
     if not isinstance(q, torch.Tensor):
         check.fail(f"q must be a torch.Tensor, got {type(q).__name__}")
+    main = check.cache(kv_cache, "kv_cache", q.device, kv_format)
+    fmt = main.fmt
+
+    # q: [T, H, d_qk] or [B, S, H, d_qk]
     if q.dim() not in (3, 4):
-        check.fail(f"q has shape {list(q.shape)}, expected [num_tokens, num_heads, {D_QK}] or "
-                   f"[batch, seq, num_heads, {D_QK}]")
-    if q.shape[-1] != D_QK:
-        check.fail(f"q has QK width {q.shape[-1]}, expected d_qk = {D_QK} (448 nope + 64 rope dims)")
+        check.fail(f"q has shape {list(q.shape)}, expected [num_tokens, num_heads, {fmt.d_qk}] or "
+                   f"[batch, seq, num_heads, {fmt.d_qk}]")
+    if q.shape[-1] != fmt.d_qk:
+        check.fail(f"q has QK width {q.shape[-1]}, expected d_qk = {_qk_width(fmt)}")
     if q.dtype != torch.bfloat16:
         check.fail(f"q must be bfloat16, got {str(q.dtype).replace('torch.', '')}")
     device = q.device
@@ -237,8 +296,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         check.fail("a plan needs at least one token; sparse_mla_decode returns at once for T=0")
     check.rows(q3, "q", _ALIGN["q"] // q.element_size(), _ALIGN["q"])
 
-    # caches and lists
-    main = check.cache(kv_cache, "kv_cache", device)
+    # lists and the extra cache
     idx = _indices(indices, "indices", lead, num_tokens, device, check, allow_empty=False)
     has_extra = extra_kv_cache is not None or extra_indices is not None
     if (extra_kv_cache is None) != (extra_indices is None):
@@ -247,7 +305,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         check.fail("extra_topk_length was given without extra_kv_cache / extra_indices")
     extra, extra_idx = main, None
     if has_extra:
-        extra = check.cache(extra_kv_cache, "extra_kv_cache", device)
+        extra = check.extra_cache(extra_kv_cache, fmt, device)
         extra_idx = _indices(extra_indices, "extra_indices", lead, num_tokens, device, check, allow_empty=True)
     if topk_length is not None:
         _lengths(topk_length, "topk_length", num_tokens, lead, device, check)
@@ -256,7 +314,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
     # scalars and outputs
     if sm_scale is None:
-        sm_scale = DEFAULT_SM_SCALE
+        sm_scale = fmt.default_sm_scale
     if isinstance(sm_scale, (torch.Tensor, bool)) or not isinstance(sm_scale, (int, float)) or \
             not math.isfinite(sm_scale):
         check.fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
@@ -266,9 +324,9 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         if num_heads > 1 and attn_sink.stride(0) != 1:
             check.fail("attn_sink must be contiguous")
     if out is None:
-        out = torch.empty(*lead, num_heads, D_V, dtype=torch.bfloat16, device=device)
+        out = torch.empty(*lead, num_heads, fmt.d_v, dtype=torch.bfloat16, device=device)
     check.tensor(out, "out", torch.bfloat16, device)
-    check.shape(out, "out", (*lead, num_heads, D_V))
+    check.shape(out, "out", (*lead, num_heads, fmt.d_v))
     out3 = _flatten_tokens(out, 2, "out", check)
     check.rows(out3, "out", _ALIGN["out"] // out.element_size(), _ALIGN["out"])
     if lse is None:
@@ -279,6 +337,10 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
     if precision is not None and precision not in PRECISIONS:
         check.fail(f"precision must be one of {PRECISIONS} or None (the default), got {precision!r}")
+    try:
+        check_format_precision(precision, fmt.name)  # before the device: a format's paths hold everywhere
+    except ValueError as e:
+        check.fail(str(e))
     if _target is not None:
         device_index = device.index if device.index is not None else -1
         arch, num_sms, smem_per_sm = _target
@@ -291,7 +353,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
     try:
-        precision = resolve_precision(precision, arch)
+        precision = resolve_precision(precision, arch, fmt.name)
     except ValueError as e:
         check.fail(str(e))
 
@@ -300,8 +362,9 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     strides = {
         "q_t": q3.stride(0), "q_h": q3.stride(1), "idx_t": idx.stride(0),
         "extra_idx_t": used_extra_idx.stride(0),
-        "main_block": main.block_stride, "main_slots": min(main.num_slots, INT32_MAX),
-        "extra_block": extra.block_stride, "extra_slots": min(extra.num_slots, INT32_MAX),
+        "main_block": main.block_stride, "main_row": main.row_stride, "main_slots": min(main.num_slots, INT32_MAX),
+        "extra_block": extra.block_stride, "extra_row": extra.row_stride,
+        "extra_slots": min(extra.num_slots, INT32_MAX),
         "out_t": out3.stride(0), "out_h": out3.stride(1), "lse_t": lse2.stride(0), "lse_h": lse2.stride(1),
     }
     return ValidatedCall(
@@ -310,7 +373,8 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         out=out, lse=lse, num_tokens=num_tokens, num_heads=num_heads, topk=idx.shape[-1], extra_topk=extra_topk,
         main=main, extra=extra, strides=strides, sm_scale=float(sm_scale), device_index=device_index, arch=arch,
         num_sms=num_sms, smem_per_sm=smem_per_sm, precision=precision,
-        launch_metadata=dataclasses.replace(md, has_extra_topk_length=extra_lens is not None and extra_topk > 0),
+        launch_metadata=dataclasses.replace(md, has_extra_topk_length=extra_lens is not None and extra_topk > 0,
+                                            kv_format=fmt.name),
     )
 
 
@@ -321,7 +385,7 @@ _MAX_PLANS = 256
 
 def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
                            extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
-                           overrides=None):
+                           overrides=None, kv_format=None):
     """Validate one call's inputs and return a ``DecodePlan`` for tensors laid out like them.
 
     Hold the plan for a shape bucket and call ``plan.run(q, kv_cache, indices, ..., out=,
@@ -329,14 +393,16 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
     graph. ``plan.scratch_bytes`` says how much scratch ``run`` needs (``plan.new_scratch()``);
     ``plan.bind(...)`` fixes the tensors too, for the fastest ``bound.run()``.
     ``overrides``: a ``dispatch.PlanOverrides`` forcing the head groups, splits, stages or
-    register bound (a measurement and testing aid). Arguments and errors as
-    ``sparse_mla_decode``, but for T = 0 (refused: a plan needs at least one token).
+    register bound (a measurement and testing aid). Arguments (``kv_format`` included: the
+    plan is for that format) and errors as ``sparse_mla_decode``, but for T = 0 (refused: a
+    plan needs at least one token).
     """
     from .plan import DecodePlan
 
     call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision, for_plan=True)
+                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,
+                         kv_format=kv_format, for_plan=True)
     try:
         return DecodePlan(call, overrides)
     except ValueError as err:  # an override no kernel has
@@ -358,37 +424,49 @@ def sparse_mla_decode(
     lse: torch.Tensor | None = None,
     lse_convention: str = "natural",
     precision: str | None = None,
+    kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V4 sparse MLA decode over a paged FP8 cache in the "MODEL1" layout.
+    """Sparse MLA decode over a paged FP8 cache (``dispatch.kv_formats.FORMATS``: DeepSeek-V4's
+    MODEL1, DeepSeek-V3.2 / GLM-5's 656-byte rows, GLM-5.3's rope-free rows).
 
     Args:
-        q: ``[T, H, 512]`` (or ``[B, S, H, 512]``) bf16 queries, 448 nope + 64 rope dims.
-        kv_cache: the FP8 cache, uint8 or float8_e4m3fn, as ``[num_blocks, P, 1, 584]``,
-            ``[num_blocks, 1, P, 584]`` or ``[num_blocks, P*584]``; any block stride that is a
-            multiple of 16 bytes and at least P*584.
+        q: ``[T, H, d_qk]`` (or ``[B, S, H, d_qk]``) bf16 queries, the format's nope dims then
+            its rope dims (MODEL1: 448 + 64; V3.2: 512 + 64; GLM-5.3: 512).
+        kv_cache: the FP8 cache, uint8 or float8_e4m3fn, as ``[num_blocks, P, 1, W]``,
+            ``[num_blocks, 1, P, W]`` or ``[num_blocks, P*W]`` (W: 584 for MODEL1, 656 for
+            V3.2, 528 or 656 for GLM-5.3); any block stride that is a multiple of 16 bytes and
+            holds the block.
         indices: ``[T, topk]`` (or ``[T, 1, topk]``, ``[B, S, topk]``) int32 cache slots,
             slot = block * P + offset. -1, and any slot outside the cache, is ignored.
-        sm_scale: softmax scale, default ``512 ** -0.5``.
+        sm_scale: softmax scale, default the format's ``d_qk ** -0.5``.
         topk_length: optional ``[T]`` int32; only the first ``topk_length[t]`` entries count
             (negative counts as 0, past topk as topk).
         attn_sink: optional ``[H]`` float32 sink logits.
         extra_kv_cache, extra_indices, extra_topk_length: an optional second (compressed)
             cache with its own page size and list; main and extra entries form ONE softmax.
+            Only where a model combines two caches (``kv_format.EXTRA_FORMATS``: MODEL1
+            with MODEL1).
         out, lse: optional outputs, written in place.
-        lse_convention: ``"natural"`` (the default, below) or ``"log2_with_sink"``
-            (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's; ``dispatch.lse``).
+        lse_convention: ``"natural"`` (the default, below), ``"log2_with_sink"``
+            (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's) or ``"natural_with_sink"``
+            (ln of the same sum); ``dispatch.lse``.
         precision: the compute path: None (the default: ``"f16"``, the cache values exact
             in f16 registers), ``"bf16"`` (dequantized to a bf16 tile), ``"fp8"`` (e4m3 MMAs
             on the cache bytes, about 1-2% output error) or ``"mxf8"`` (``"fp8"`` with SM120's
-            block-scaled MMA; sm_120a / sm_121a only). ``docs/design.md``, "Precision".
+            block-scaled MMA; sm_120a / sm_121a and MODEL1's UE8M0 scales only).
+            ``docs/design.md``, "Precision".
+        kv_format: the cache format's name, or None (the default) for the one the cache's
+            last dimension names: 584 is MODEL1's, 656 V3.2's; a width two formats may have
+            (528) is refused naming the candidates, so GLM-5.3 caches name their format.
 
     Returns:
-        ``(out, lse)``: ``out`` bf16 ``[T, H, 512]``, ``lse`` float32 ``[T, H]`` (leading dims
-        as ``q``). With s_j = sm_scale * <q, k_j> over the valid entries j:
-        ``lse = ln(sum_j exp(s_j))`` (natural log, the sink NOT folded in, with the default
-        ``lse_convention``) and
+        ``(out, lse)``: ``out`` bf16 ``[T, H, d_v]`` (d_v = 512 for every format), ``lse``
+        float32 ``[T, H]`` (leading dims as ``q``). With s_j = sm_scale * <q, k_j> over the
+        valid entries j: ``lse = ln(sum_j exp(s_j))`` (natural log, the sink NOT folded in,
+        with the default ``lse_convention``) and
         ``out = sum_j softmax(s)_j v_j``, times ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``
-        when a sink is given. k_j and v_j are the same dequantized 512-dim latent.
+        when a sink is given. k_j is the slot's dequantized d_qk-dim latent and v_j its first
+        d_v dims (MODEL1: the same 512 dims; V3.2: the 512 nope dims, not the rope).
         A token with no valid entry gets ``out = 0`` and ``lse = +inf``.
 
     Raises:
@@ -399,11 +477,12 @@ def sparse_mla_decode(
 
     if lse_convention not in LSE_CONVENTIONS:
         raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
-                                                extra_topk_length, attn_sink),
+                                                extra_topk_length, attn_sink, kv_format),
                                  f"lse_convention must be one of {LSE_CONVENTIONS}, got {lse_convention!r}")
     call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision)
+                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,
+                         kv_format=kv_format)
     if call.num_tokens == 0:
         return call.out, call.lse
     key = call.plan_key()

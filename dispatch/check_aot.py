@@ -5,18 +5,18 @@ correct results: ``dsv4-mla-check-aot``.
     dsv4-mla-check-aot --aot-dir build/aot                   # on the GPU, a fresh process
     dsv4-mla-check-aot                                       # the manifest of an installed wheel
 
-Runs every shape of ``dispatch.registry.DEPLOYMENT_SHAPES`` at one token and at 300 tokens
-(one split and several) in every compute path the GPU's arch has (``precisions_for``: "mxf8"
-only where the block-scaled MMA exists), cycling through the optional inputs so that every
-registry variant is used, with compiling switched off (a missing variant raises). Every
+Runs every shape of ``dispatch.registry.DEPLOYMENT_SHAPES`` (every cache format, each on a
+cache of its format) at one token and at 300 tokens (one split and several) in every compute
+path the GPU's arch has for the shape's format (``format_precisions``: "mxf8" only for UE8M0
+scales and where the block-scaled MMA exists), cycling through the optional inputs so that
+every registry variant is used, with compiling switched off (a missing variant raises). Every
 ``SPOT_EVERY``-th shape is spot-checked at both token counts (up to ``SPOT_TOKENS`` of its
-tokens) against the float64 reference, with the bound the tests use
-(``dispatch.accuracy``: per token, the relative L2 error of out at most twice the rounding
-floor of the case). Prints one JSON line: calls, compiles, variants loaded, the time of the
-first call, the spot checks and the worst error / bound among them. Exits 1 when anything
-was compiled or a spot check exceeds its bound (naming it), 2 on a GPU it does not serve.
-``--disk-cache`` instead checks that a variant JIT-compiled by one process is loaded from
-the disk cache by the next.
+tokens) against the float64 reference, with the bound the tests use (``dispatch.accuracy``:
+per token, the relative L2 error of out at most twice the rounding floor of the case). Prints
+one JSON line: calls, compiles, variants loaded, the time of the first call, the spot checks
+and the worst error / bound among them. Exits 1 when anything was compiled or a spot check
+exceeds its bound (naming it), 2 on a GPU it does not serve. ``--disk-cache`` instead checks
+that a variant JIT-compiled by one process is loaded from the disk cache by the next.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ def serve_registry(aot_dir: str | None) -> int:
     import torch
 
     from cute_kernels.arch import arch_for_capability
+    from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, get_format
 
     from . import loader, sparse_mla_decode
     from .registry import DEPLOYMENT_SHAPES
     from .testing import make_cache
-    from .variants import precisions_for
+    from .variants import format_precisions, precisions_for
 
     arch = arch_for_capability(torch.cuda.get_device_capability())
     if arch is None:
@@ -80,25 +81,30 @@ def serve_registry(aot_dir: str | None) -> int:
         loader.set_aot_dir(aot_dir)
     loader.set_require_aot(True)  # any compile would raise MissingAotVariant
     gen = torch.Generator().manual_seed(0)
-    pages = sorted({s.page_block_size for s in DEPLOYMENT_SHAPES} |
-                   {s.extra_page_block_size for s in DEPLOYMENT_SHAPES if s.extra_page_block_size})
-    caches = {p: make_cache(max(16384 // p, 4), p, device="cuda", gen=gen) for p in pages}
+    # (format, page) of every cache the shapes read: the main caches, and the extra caches in
+    # the format their main format pairs with
+    needed = ({(s.kv_format, s.page_block_size) for s in DEPLOYMENT_SHAPES} |
+              {(EXTRA_FORMATS[s.kv_format][0], s.extra_page_block_size) for s in DEPLOYMENT_SHAPES if s.extra_topk})
+    caches = {(f, p): make_cache(max(16384 // p, 4), p, device="cuda", kv_format=f, gen=gen) for f, p in sorted(needed)}
     first_call, calls, checks, worst, used, failures = None, 0, 0, 0.0, set(), []
     for precision in precisions_for(arch):
         flags = itertools.cycle(itertools.product((False, True), repeat=3))
         for i, shape in enumerate(DEPLOYMENT_SHAPES):
             has_len, has_extra_len, has_sink = next(flags)  # the same options at one split and at several
+            if precision not in format_precisions(arch, shape.kv_format):
+                continue
+            cache = caches[shape.kv_format, shape.page_block_size]
             for T in (1, 300):
-                slots = caches[shape.page_block_size].shape[0] * shape.page_block_size
-                q = torch.randn(T, shape.num_heads, 512, device="cuda").to(torch.bfloat16)
+                slots = cache.shape[0] * shape.page_block_size
+                q = torch.randn(T, shape.num_heads, get_format(shape.kv_format).d_qk, device="cuda").to(torch.bfloat16)
                 idx = torch.randint(-1, slots, (T, shape.topk), device="cuda", dtype=torch.int32)
-                kw = {}
+                kw = {"kv_format": shape.kv_format}
                 if has_len:
                     kw["topk_length"] = torch.randint(0, shape.topk + 1, (T,), device="cuda", dtype=torch.int32)
                 if has_sink:
                     kw["attn_sink"] = torch.randn(shape.num_heads, device="cuda")
                 if shape.extra_topk:
-                    extra = caches[shape.extra_page_block_size]
+                    extra = caches[EXTRA_FORMATS[shape.kv_format][0], shape.extra_page_block_size]
                     e_slots = extra.shape[0] * shape.extra_page_block_size
                     kw["extra_kv_cache"] = extra
                     kw["extra_indices"] = torch.randint(-1, e_slots, (T, shape.extra_topk), device="cuda",
@@ -107,14 +113,14 @@ def serve_registry(aot_dir: str | None) -> int:
                         kw["extra_topk_length"] = torch.randint(0, shape.extra_topk + 1, (T,), device="cuda",
                                                                 dtype=torch.int32)
                 t0 = time.perf_counter()
-                out, lse = sparse_mla_decode(q, caches[shape.page_block_size], idx, precision=precision, **kw)
+                out, lse = sparse_mla_decode(q, cache, idx, precision=precision, **kw)
                 torch.cuda.synchronize()
                 if first_call is None:
                     first_call = time.perf_counter() - t0
                 calls += 1
                 used.update(v.name for v in loader._compiled)
                 if i % SPOT_EVERY == 0:
-                    ratio, bad = spot_check(precision, q, caches[shape.page_block_size], idx, kw, out)
+                    ratio, bad = spot_check(precision, q, cache, idx, kw, out)
                     checks += 1
                     worst = max(worst, ratio)
                     if bad:
@@ -133,12 +139,13 @@ def serve_registry(aot_dir: str | None) -> int:
 _ONE = """
 import json
 import torch
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch import loader, sparse_mla_decode
 from dispatch.testing import make_cache
 loader.set_aot_dir({empty!r})
 loader.PACKAGE_AOT_DIR = loader.Path({empty!r})
 cache = make_cache(8, 64, device="cuda")
-q = torch.randn(2, 16, 512, device="cuda").to(torch.bfloat16)
+q = torch.randn(2, 16, get_format(DEFAULT_FORMAT).d_qk, device="cuda").to(torch.bfloat16)
 idx = torch.randint(0, 512, (2, 100), device="cuda", dtype=torch.int32)
 sparse_mla_decode(q, cache, idx); torch.cuda.synchronize()
 print(json.dumps(loader.stats))

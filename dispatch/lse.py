@@ -5,8 +5,11 @@ derived here, on the device, from it and the sink:
 
 - ``"natural"``: ln(sum_j exp(s_j)) with the sink NOT folded in (FlashMLA's, and this
   library's); +inf for a token with no valid entry.
-- ``"log2_with_sink"``: log2(sum_j exp(s_j) + exp(sink_h)) (FlashInfer's DSV4 decode); for a
-  token with no valid entry that is sink_h * log2(e), or -inf without a sink.
+- ``"log2_with_sink"``: log2(sum_j exp(s_j) + exp(sink_h)) (FlashInfer's sparse MLA decode,
+  its default); for a token with no valid entry that is sink_h * log2(e), or -inf without a
+  sink.
+- ``"natural_with_sink"``: ln(sum_j exp(s_j) + exp(sink_h)) (FlashInfer's with
+  ``return_lse_base="basee"``); for a token with no valid entry sink_h, or -inf without a sink.
 
 Mixing conventions has caused bugs in serving engines, so the API never implies one: every
 entry point that returns an lse names its convention in an argument.
@@ -18,9 +21,9 @@ import math
 
 import torch
 
-from cute_kernels.sparse_mla_decode.layout import LOG2_E
+from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 
-LSE_CONVENTIONS = ("natural", "log2_with_sink")
+LSE_CONVENTIONS = ("natural", "log2_with_sink", "natural_with_sink")
 
 
 def check_convention(convention: str) -> None:
@@ -37,4 +40,4 @@ def convert_lse(lse: torch.Tensor, attn_sink: torch.Tensor | None, convention: s
     total = torch.where(torch.isposinf(lse), torch.full_like(lse, -math.inf), lse)  # empty: ln(0) = -inf
     if attn_sink is not None:
         total = torch.logaddexp(total, attn_sink.float().expand_as(total))
-    return total * LOG2_E
+    return total * LOG2_E if convention == "log2_with_sink" else total

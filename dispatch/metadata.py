@@ -1,21 +1,30 @@
-"""The DSV4 decode call metadata and the errors that name it.
+"""The decode call metadata and the errors that name it.
 
 Every refusal of the public API is an ``InvalidDecodeInput`` (a ``ValueError``) raised before
 anything touches the GPU. Its message names the call's shape so the user can act on it:
-model type, num_tokens, num_heads, topk, d_qk, page_block_size and extra_topk, then what
-was expected.
+the model type of the call's cache format (``KvFormat.model_type``), num_tokens, num_heads,
+topk, d_qk, page_block_size and extra_topk, then what was expected. Where the format is not
+known (an unknown ``kv_format`` name, a cache whose width names no format or more than one),
+the message starts with ``GENERIC_MODEL_TYPE`` instead: naming a model the cache may not be
+would mislead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODEL_TYPE = "DeepSeek-V4 sparse MLA decode (MODEL1 FP8 cache)"
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS
+
+GENERIC_MODEL_TYPE = "Sparse MLA decode (cache format not determined)"
 
 
 @dataclass(frozen=True)
 class DecodeMetadata:
-    """What a decode call is, as far as kernels and errors care. Unknown fields are None."""
+    """What a decode call is, as far as kernels and errors care. Unknown fields are None.
+
+    kv_format: the cache format's name (``kv_format.FORMATS``), None where it is not known.
+    d_qk: the QK width of the call's q (what it was given, which a refusal may then compare
+    with the format's)."""
 
     num_tokens: int | None = None
     num_heads: int | None = None
@@ -27,13 +36,20 @@ class DecodeMetadata:
     has_topk_length: bool = False
     has_extra_topk_length: bool = False
     has_sink: bool = False
+    kv_format: str | None = None
+
+    @property
+    def model_type(self) -> str:
+        """What starts the call's messages: the format's model type, or the generic one."""
+        fmt = FORMATS.get(self.kv_format) if isinstance(self.kv_format, str) else None
+        return GENERIC_MODEL_TYPE if fmt is None else fmt.model_type
 
     def describe(self) -> str:
         def show(v):
             return "?" if v is None else str(v)
 
         text = (
-            f"{MODEL_TYPE}: num_tokens={show(self.num_tokens)}, num_heads={show(self.num_heads)}, "
+            f"{self.model_type}: num_tokens={show(self.num_tokens)}, num_heads={show(self.num_heads)}, "
             f"topk={show(self.topk)}, d_qk={show(self.d_qk)}, page_block_size={show(self.page_block_size)}, "
             f"extra_topk={show(self.extra_topk)}"
         )

@@ -1,8 +1,9 @@
 """Planned execution: build a ``DecodePlan`` once per shape bucket, then ``run`` it many times.
 
-A plan fixes everything a serving step repeats: the validated layout of every input
-(shapes, strides, dtypes, device, which optional inputs are present), the kernel variants,
-the split of the work and the scratch it needs. ``run`` then only checks that the tensors
+A plan fixes everything a serving step repeats: the cache format, the validated layout of
+every input (shapes, strides, dtypes, device, which optional inputs are present; the caches'
+block and row strides become kernel arguments), the kernel variants, the split of the work
+and the scratch it needs. ``run`` then only checks that the tensors
 it is given have exactly that layout (cheap tuple comparisons, so no read can go out of
 bounds), writes their addresses into the kernels' packed arguments and launches. It
 allocates nothing, never synchronizes with the host, and is safe to capture in a CUDA
@@ -27,7 +28,7 @@ import torch
 from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
 from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
-from cute_kernels.sparse_mla_decode.layout import D_V, DEFAULT_SM_SCALE, LOG2_E
+from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 
 from . import loader
 from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
@@ -128,9 +129,11 @@ class DecodePlan:
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
+        self.kv_format = call.fmt.name
+        self.default_sm_scale = call.fmt.default_sm_scale
         shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision,
                                      topk=call.topk, extra_topk=call.extra_topk, smem_per_sm=call.smem_per_sm,
-                                     head_groups=ov.head_groups)
+                                     head_groups=ov.head_groups, kv_format=self.kv_format)
         if ov.num_stages is not None:  # the split plan sees the stages' shared memory too
             shape = dataclasses.replace(shape, num_stages=ov.num_stages)
         self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
@@ -155,7 +158,7 @@ class DecodePlan:
             check_in_variant_space(self.variants, call.arch, f"{self.split} for {call.launch_metadata}")
         self.final = len(self.variants) == 1
         T, S, H = call.num_tokens, self.split.num_splits, call.num_heads
-        self._o_part_bytes = 0 if self.final else T * S * H * D_V * 4
+        self._o_part_bytes = 0 if self.final else T * S * H * call.fmt.d_v * 4
         lse_part_bytes = 0 if self.final else T * S * H * 4
         self.scratch_bytes = self._o_part_bytes + lse_part_bytes
         if self.scratch_bytes:
@@ -214,11 +217,13 @@ class DecodePlan:
             "num_tokens": self.num_tokens, "num_heads": self.num_heads,
             "main_cache": Bind("main"), "main_page": call.main.page_block_size,
             "main_page_magic": page_division_magic(call.main.page_block_size), "main_block_stride": st["main_block"],
-            "main_num_slots": st["main_slots"], "main_idx": Bind("indices"), "main_idx_stride": st["idx_t"],
+            "main_row_stride": st["main_row"], "main_num_slots": st["main_slots"], "main_idx": Bind("indices"),
+            "main_idx_stride": st["idx_t"],
             "main_topk": self.topk, "main_len": optional("topk_length"),
             "extra_cache": optional("extra"), "extra_page": call.extra.page_block_size,
             "extra_page_magic": page_division_magic(call.extra.page_block_size),
-            "extra_block_stride": st["extra_block"], "extra_num_slots": st["extra_slots"],
+            "extra_block_stride": st["extra_block"], "extra_row_stride": st["extra_row"],
+            "extra_num_slots": st["extra_slots"],
             "extra_idx": optional("extra_indices"), "extra_idx_stride": st["extra_idx_t"],
             "extra_topk": self.extra_topk, "extra_len": optional("extra_topk_length"),
             "sm_scale_log2": Bind("sm_scale_log2"), "chunks_per_split": self.split.chunks_per_split,
@@ -275,7 +280,7 @@ class DecodePlan:
                                  f"aligned as the kernels assume (the planned tensor was)")
             values.append(address)
         if sm_scale is None:
-            sm_scale = DEFAULT_SM_SCALE
+            sm_scale = self.default_sm_scale
         elif not math.isfinite(sm_scale):
             raise ValueError(f"DecodePlan.{caller}: sm_scale must be finite, got {sm_scale!r}")
         values.append(float(sm_scale) * LOG2_E)

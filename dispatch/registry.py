@@ -1,11 +1,21 @@
-"""The DeepSeek-V4 deployment grid, as data: the shapes serving engines run.
+"""The deployment grid, as data: the shapes serving engines run, per cache format.
 
 This is the single source of truth for what the offline AOT build compiles
 (``dsv4-mla-aot-build`` builds ``registry_variants(arch)``), and a test proves that it equals
-the set of variants the dispatch selects for these shapes: heads per GPU for TP 1 to 16 of
-V4-Flash, V4-Pro and V4.1-Flash, the main and extra top-k widths and page sizes serving
-engines use, speculative-draft widths, and every combination of the optional inputs
-(lengths, sink) with one split (final mode) and several splits (partial + merge).
+the set of variants the dispatch selects for these shapes:
+
+- DeepSeek-V4 (MODEL1 cache): heads per GPU for TP 1 to 16 of V4-Flash, V4-Pro and
+  V4.1-Flash, the main and extra top-k widths and page sizes serving engines use,
+  speculative-draft widths;
+- DeepSeek-V3.2 and GLM-5.x (the 656-byte V3.2 rows): their heads per GPU, the indexer's
+  top-k of 2048, page 64;
+- GLM-5.3 (528-byte rope-free rows): 64, 32 and 16 heads (TP 1, 2, 4), top-k 2176, page 64
+  (its 528- and 656-byte row pitches are a runtime value: nothing more to build; the 16 heads
+  are where the dispatch picks its one-group final-mode kernels);
+
+each with every combination of the optional inputs (lengths, sink; the extra list's lengths
+where the format has an extra cache) with one split (final mode) and several splits
+(partial + merge).
 """
 
 from __future__ import annotations
@@ -14,9 +24,10 @@ import itertools
 from dataclasses import dataclass
 
 from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 
 from .metadata import DecodeMetadata
-from .variants import KernelVariant, partial_shape_config, precisions_for, variants_for
+from .variants import KernelVariant, format_precisions, partial_shape_config, precisions_for, variants_for
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,15 @@ class DeploymentShape:
     page_block_size: int
     extra_topk: int = 0
     extra_page_block_size: int | None = None
+    kv_format: str = DEFAULT_FORMAT  # the cache format (``kv_format.FORMATS``)
+
+
+# the inline-scale formats' models: (model, format, heads per GPU, topk, page)
+_INDEXER_MODELS = (
+    ("DeepSeek-V3.2", "v32_fp8", (128, 64, 32, 16, 8), 2048, 64),
+    ("GLM-5.x", "v32_fp8", (64, 32, 16, 8, 4), 2048, 64),
+    ("GLM-5.3", "glm_nope_fp8", (64, 32, 16), 2176, 64),
+)
 
 
 def _shapes() -> list[DeploymentShape]:
@@ -43,6 +63,8 @@ def _shapes() -> list[DeploymentShape]:
             for extra_topk, extra_page in extras:
                 out.append(DeploymentShape(model, h, 128 if model != "V4.1-Flash" else 1152, 64,
                                            extra_topk, extra_page))
+    for model, kv_format, hs, topk, page in _INDEXER_MODELS:
+        out += [DeploymentShape(model, h, topk, page, kv_format=kv_format) for h in hs]
     return out
 
 
@@ -60,21 +82,22 @@ DEPLOYMENT_SM_COUNTS = (188, 170, 48, 132)
 
 def registry_calls(precision: str, arch: str):
     """Every (metadata, num_splits, head_groups, two_ctas_per_sm) the deployment grid produces
-    with the ``precision`` compute path for ``arch``, on each of ``DEPLOYMENT_SM_COUNTS``."""
+    with the ``precision`` compute path for ``arch``, on each of ``DEPLOYMENT_SM_COUNTS``: the
+    shapes of every format that has that path (``variants.format_precisions``)."""
     from .splits import plan_splits, two_ctas_per_sm
 
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
         has_len, has_extra_len, has_sink = flags
-        if has_extra_len and shape.extra_topk == 0:
+        if (has_extra_len and shape.extra_topk == 0) or precision not in format_precisions(arch, shape.kv_format):
             continue
         smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
         for T, sms in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS):
-            md = DecodeMetadata(num_tokens=T, num_heads=shape.num_heads, d_qk=512, topk=shape.topk,
-                                page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
+            md = DecodeMetadata(num_tokens=T, num_heads=shape.num_heads, d_qk=get_format(shape.kv_format).d_qk,
+                                topk=shape.topk, page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
-                                has_extra_topk_length=has_extra_len, has_sink=has_sink)
+                                has_extra_topk_length=has_extra_len, has_sink=has_sink, kv_format=shape.kv_format)
             cfg = partial_shape_config(shape.num_heads, T, sms, precision, topk=shape.topk, extra_topk=shape.extra_topk,
-                                       smem_per_sm=smem_per_sm)
+                                       smem_per_sm=smem_per_sm, kv_format=shape.kv_format)
             plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk, cfg=cfg, num_sms=sms,
                                smem_per_sm=smem_per_sm)
             yield md, plan.num_splits, cfg.head_groups, two_ctas_per_sm(cfg, plan, T, shape.num_heads, sms,
@@ -82,7 +105,7 @@ def registry_calls(precision: str, arch: str):
 
 
 def registry_variants(arch: str) -> list[KernelVariant]:
-    """The variants the AOT build compiles for ``arch``, in a stable order."""
+    """The variants the AOT build compiles for ``arch``, in a stable order: every format's."""
     found = {}
     for precision in precisions_for(arch):  # every path a caller can ask for, not only the default
         for md, splits, head_groups, two_per_sm in registry_calls(precision, arch):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from cute_kernels.arch import REGISTERS_PER_SM, RESERVED_SMEM_PER_CTA
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
 from cute_kernels.sparse_mla_decode.tuning import MAX_CHUNKS_TWO_PER_SM, MIN_CHUNKS_PER_SPLIT
 
 # The merge kernel combines at most this many splits (one of its threads per split).
@@ -31,12 +33,28 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
     return max(1, min(by_registers, by_smem))
 
 
-def two_bounded_f16_ctas_fit(smem_per_sm: int) -> bool:
+@functools.lru_cache(maxsize=None)
+def f16_bound_allowed(kv_format: str = DEFAULT_FORMAT) -> bool:
+    """Whether the "f16" kernel of ``kv_format`` can be held to 128 registers at all: only
+    where it has 256 threads (MODEL1's 7 nope warps and its rope warp; the formats of 512
+    nope dims have 8 nope warps, 288 threads, and cannot), as ``PartialConfig.check`` says."""
+    try:
+        PartialConfig(kv_format=kv_format, precision="f16", two_ctas_per_sm=True).check()
+    except ValueError:
+        return False
+    return True
+
+
+def two_bounded_f16_ctas_fit(smem_per_sm: int, kv_format: str = DEFAULT_FORMAT) -> bool:
     """Whether an SM with ``smem_per_sm`` bytes of shared memory holds two "f16" one-group
-    CTAs held to 128 registers (the H200: yes; sm_120: no): where the dispatch plans the
+    CTAs of ``kv_format`` held to 128 registers (MODEL1 on the H200: yes; on sm_120: no;
+    a format whose "f16" kernel cannot be bounded: never): where the dispatch plans the
     "f16" kernels two to an SM (the 32-head one too where its grid is large enough:
     ``variants.head_groups_for``) and the variant space has their bounded forms."""
-    return resident_ctas_per_sm(PartialConfig(precision="f16", two_ctas_per_sm=True), smem_per_sm) > 1
+    if not f16_bound_allowed(kv_format):
+        return False
+    cfg = PartialConfig(kv_format=kv_format, precision="f16", two_ctas_per_sm=True)
+    return resident_ctas_per_sm(cfg, smem_per_sm) > 1
 
 
 def ctas_per_split(num_tokens: int, num_heads: int, cfg: PartialConfig) -> int:

@@ -1,54 +1,119 @@
-"""Random DSV4 decode inputs: caches in the MODEL1 FP8 layout and lists of slots, for trying
-the kernels, tests and benchmarks (CPU or GPU tensors; the packer is the package's own,
-``cute_kernels.sparse_mla_decode.cache_format.pack_latent``)."""
+"""Random sparse-MLA decode inputs: caches of every format (``kv_format.FORMATS``) and lists of
+slots, for trying the kernels, tests and benchmarks (CPU or GPU tensors; the packer is the
+package's own, ``cute_kernels.sparse_mla_decode.cache_format.pack_latent``)."""
 
 from __future__ import annotations
 
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import default_block_stride, pack_latent
-from cute_kernels.sparse_mla_decode.layout import D_NOPE, D_QK, NUM_TILES, ROW_BYTES, SCALE_BYTES, TOKEN_BYTES
+from cute_kernels.sparse_mla_decode.cache_format import ALIGN, FLT_MIN, default_block_stride, pack_latent
+from cute_kernels.sparse_mla_decode.kv_format import get_format
 
 from .api import INT32_MAX
 
 INT32_MIN = -(2**31)
+LAYOUTS = ("nhd", "hnd", "flat", "fp8")
 
 
-def make_cache(num_blocks: int, page: int, *, device, block_stride: int | None = None, poison_blocks=(),
-               layout: str = "nhd", gen: torch.Generator | None = None, spread: int = 0,
-               tiny: bool = False) -> torch.Tensor:
-    """A random FP8 cache. Blocks in ``poison_blocks`` and every padding byte are 0xFF (NaN as
-    e4m3 and as bf16, scale 2**128): a kernel that reads them produces NaN. ``spread``: each
-    token's latent is multiplied by a random power of two in [2**-spread, 2**spread], so the
-    tokens' scale bytes differ by up to 2 * spread. ``tiny``: every scale byte drawn from
-    0, 1, 2 (2**-127 .. 2**-125, the bottom of UE8M0, below what the model writes) and the
-    rope dims 0, so the output is that tiny latent's alone: a kernel that takes byte 0 for 0
-    rather than 2**-127 gets it wrong."""
-    latent = torch.randn(num_blocks, page, D_QK, generator=gen, device="cpu")
+def view_width(kv_format: str, row_stride: int) -> int:
+    """The last dimension of a 4-D view of an inline format's cache with rows ``row_stride``
+    bytes apart: the widest width the format's views have (its row bytes or a pool pitch,
+    ``KvFormat.row_pitches``) that fits in the stride; a footer format's bytes per token."""
+    fmt = get_format(kv_format)
+    if not fmt.inline:
+        return fmt.bytes_per_token
+    return max(w for w in {fmt.row_bytes, *fmt.row_pitches} if w <= row_stride)
+
+
+def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_fp8", block_stride: int | None = None,
+               row_stride: int | None = None, poison_blocks=(), layout: str = "nhd",
+               gen: torch.Generator | None = None, spread: int = 0, tiny: bool = False, writer: str | None = None,
+               scale_spread: float = 0.0) -> torch.Tensor:
+    """A random ``kv_format`` cache of ``num_blocks`` page blocks of ``page`` tokens, as ``writer``
+    (``cache_format.WRITERS``; None: the format's default) writes it.
+
+    Every byte that holds no data is 0xFF (NaN as e4m3, bf16 and FP32; UE8M0 scale 2**128), so
+    that a kernel that reads one produces NaN: the padding between blocks (``block_stride``
+    past the block's bytes), and for an inline format the bytes of a row past its data (a
+    ``row_stride`` wider than the row, GLM-5.3's 528-byte rows in 656-byte pool rows). Blocks
+    in ``poison_blocks`` are 0xFF throughout. MODEL1's footer pad byte is 0 (as vLLM and
+    FlashInfer write it).
+
+    ``row_stride``: inline formats only, bytes between a block's rows (a multiple of 16, at
+    least the row; default the format's first pitch). ``block_stride``: bytes between blocks
+    (default ``default_block_stride``).
+
+    ``spread``: each token's latent is multiplied by a random power of two in
+    [2**-spread, 2**spread], so the tokens' scales differ by up to 2**(2 * spread).
+    ``scale_spread``: each scale group of each token's nope dims is multiplied by 2**u, u
+    uniform in [-scale_spread, scale_spread]: scales over 2 * scale_spread binades, and (for
+    a writer of arbitrary FP32 scales, "vllm", "sglang" or "b12x") scales that are not powers of two.
+
+    ``tiny``: the smallest scales of the format, below what a model writes, and the rope dims
+    0, so that the output is that tiny latent's alone. UE8M0 (MODEL1): every scale byte drawn
+    from 0, 1, 2 (2**-127 .. 2**-125): a kernel that takes byte 0 for 0 rather than 2**-127
+    gets it wrong. FP32: every scale FLT_MIN = 2**-126 (vLLM's floor) times a factor drawn from
+    [1, 4) (a quarter exactly 1): normal FP32 numbers that no narrower float (f16, bf16
+    products of two of them) holds, not powers of two. The e4m3 codes stay the writer's.
+
+    ``layout``: "nhd" ``[num_blocks, P, 1, W]``, "hnd" ``[num_blocks, 1, P, W]``, "flat"
+    ``[num_blocks, P * W]`` (needs the format's default row pitch), "fp8" (NHD as
+    float8_e4m3fn); W: ``view_width``. The views share one buffer of ``num_blocks`` blocks."""
+    fmt = get_format(kv_format)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if fmt.inline:
+        pitch = fmt.row_pitches[0] if row_stride is None else int(row_stride)
+        if pitch < fmt.row_bytes or pitch % ALIGN:
+            raise ValueError(f"row_stride {pitch} must be a multiple of {ALIGN} and at least the {fmt.row_bytes} "
+                             f"bytes of a {fmt.name} row")
+        if layout == "flat" and pitch != fmt.row_pitches[0]:
+            raise ValueError(f"a flat {fmt.name} view implies rows {fmt.row_pitches[0]} bytes apart, not {pitch}")
+    elif row_stride is not None and row_stride != fmt.bytes_per_token:
+        raise ValueError(f"{fmt.name} rows are packed: row_stride must be None or {fmt.bytes_per_token}")
+    else:
+        pitch = fmt.bytes_per_token
+
+    latent = torch.randn(num_blocks, page, fmt.d_qk, generator=gen, device="cpu")
     if spread:
         latent = latent * torch.exp2(torch.randint(-spread, spread + 1, (num_blocks, page, 1), generator=gen).float())
+    if scale_spread:
+        u = torch.rand(num_blocks, page, fmt.num_scales, 1, generator=gen) * 2 - 1
+        nope = latent[..., :fmt.nope_dims].reshape(num_blocks, page, fmt.num_scales, fmt.scale_group)
+        nope = nope * torch.exp2(u * scale_spread)
+        latent = torch.cat([nope.reshape(num_blocks, page, fmt.nope_dims), latent[..., fmt.nope_dims:]], dim=-1)
     latent = latent.to(torch.bfloat16)
-    stride = default_block_stride(page) if block_stride is None else block_stride
-    cache = pack_latent(latent.to(device), block_stride=stride)
+    stride = default_block_stride(fmt, page, pitch if fmt.inline else None) if block_stride is None else block_stride
+    cache = pack_latent(latent.to(device), fmt.name, writer=writer, block_stride=stride,
+                        row_stride=pitch if fmt.inline else None, fill=0xFF if fmt.inline else 0)
     buf = torch.as_strided(cache, (num_blocks, stride), (stride, 1))
+    if fmt.inline:
+        rows = torch.as_strided(cache, (num_blocks, page, fmt.row_bytes), (stride, pitch, 1))
+    else:
+        rows = buf[:, :page * fmt.row_bytes].view(num_blocks, page, fmt.row_bytes)
     if tiny:
-        rows = buf[:, :page * ROW_BYTES].view(num_blocks, page, ROW_BYTES)
-        rows[..., D_NOPE:] = 0
-        footer = buf[:, page * ROW_BYTES:page * TOKEN_BYTES].view(num_blocks, page, SCALE_BYTES)
-        footer[..., :NUM_TILES] = torch.randint(0, 3, (num_blocks, page, NUM_TILES), generator=gen,
-                                                dtype=torch.uint8).to(device)
-    buf[:, page * TOKEN_BYTES:] = 0xFF
+        rows[..., fmt.rope_offset:] = 0
+        if fmt.scale_type == "ue8m0":
+            footer = buf[:, page * fmt.row_bytes:page * fmt.bytes_per_token].view(num_blocks, page, fmt.footer_bytes)
+            footer[..., :fmt.num_scales] = torch.randint(0, 3, (num_blocks, page, fmt.num_scales), generator=gen,
+                                                         dtype=torch.uint8).to(device)
+        else:
+            shape = (num_blocks, page, fmt.num_scales)
+            factor = torch.where(torch.rand(shape, generator=gen) < 0.25, 1.0, 1.0 + 3.0 * torch.rand(shape, generator=gen))
+            scales = (FLT_MIN * factor).float()
+            rows[..., fmt.scale_offset:fmt.scale_offset + fmt.scale_bytes] = \
+                scales.view(torch.uint8).reshape(num_blocks, page, fmt.scale_bytes).to(device)
+    if not fmt.inline:
+        buf[:, page * fmt.bytes_per_token:] = 0xFF
     for b in poison_blocks:
         buf[b] = 0xFF
-    if layout == "nhd":
-        return cache
+    width = view_width(fmt.name, pitch)
+    if layout in ("nhd", "fp8"):
+        view = torch.as_strided(cache, (num_blocks, page, 1, width), (stride, pitch, pitch, 1))
+        return view.view(torch.float8_e4m3fn) if layout == "fp8" else view
     if layout == "hnd":
-        return torch.as_strided(buf, (num_blocks, 1, page, TOKEN_BYTES), (stride, TOKEN_BYTES, TOKEN_BYTES, 1))
-    if layout == "flat":
-        return torch.as_strided(buf, (num_blocks, page * TOKEN_BYTES), (stride, 1))
-    if layout == "fp8":
-        return cache.view(torch.float8_e4m3fn)
-    raise ValueError(layout)
+        return torch.as_strided(cache, (num_blocks, 1, page, width), (stride, pitch, pitch, 1))
+    return torch.as_strided(cache, (num_blocks, page * pitch), (stride, 1))
 
 
 def make_indices(num_tokens: int, topk: int, num_slots: int, *, device, usable_blocks=None, page: int = 1,

@@ -1,22 +1,29 @@
 """Benchmark sparse-MLA decode on a GPU (``docs/performance.md`` has the method and the results).
 
-    python -m scripts.bench [--json out.json] [--quick] [--precision P ...] [--tokens 1,64]
-                            [--head-groups G] [--stages S] [--no-torch]
+    python -m scripts.bench [--kv-format NAME] [--json out.json] [--quick] [--precision P ...]
+                            [--tokens 1,64] [--head-groups G] [--stages S] [--no-torch]
+
+``--kv-format`` (default model1_fp8; ``dispatch.kv_formats.FORMATS``) picks the cache format
+and with it the grid (``grid_for``): MODEL1 runs T {1, 8, 64, 256} x H {16, 64, 128} x topk
+{128, 512, 1024, 128 + 512 extra}, the shapes FlashMLA was measured on; a format without an
+extra cache runs T {1, 8, 64, 256} x H {16, 64, 128} x the top-k its models use in the
+deployment registry (``dispatch.registry``: 2048 for v32_fp8, 2176 for glm_nope_fp8).
 
 ``--precision`` (repeatable: bf16, f16, fp8, default) times each listed compute path; the
 table's main columns are the first one's (default: the path the dispatch picks), the others
 get a "us <precision>" column each. ``--head-groups`` / ``--stages`` force those choices on
 every plan (``dispatch.PlanOverrides``).
 
-Method: caches of 4096 page blocks x 64 tokens
-(262,144 tokens, block stride 37,440 bytes) in the DSV4 FP8 layout; q = randn bf16;
-sm_scale = 512**-0.5. Single-cache shapes gather uniform random slots; "128+512" shapes
-take main = the last 128 tokens of a sequence through a random block table and extra = 512
-random slots of a second cache. Each call is captured in one CUDA graph and replayed;
-time = median of ``triton.testing.do_bench`` (which clears L2 before every call).
-GB/s counts T x (topk + extra_topk) x 584 bytes. The copy ceiling is measured in the same
-run (a 4 GiB device-to-device copy, bytes read + written). "%mma" is the call's tensor work
-(``tensor_flops``: QK over 512 dims and PV over 512 columns per head and entry) per second
+Method: caches of 4096 page blocks x 64 tokens (262,144 tokens) in the format's layout, with
+its default block stride (MODEL1: 37,440 bytes) and row pitch; q = randn bf16, d_qk wide;
+sm_scale = the format's d_qk**-0.5. Single-cache shapes gather uniform random slots;
+"128+512" shapes take main = the last 128 tokens of a sequence through a random block table
+and extra = 512 random slots of a second cache. Each call is captured in one CUDA graph and
+replayed; time = median of ``triton.testing.do_bench`` (which clears L2 before every call).
+GB/s counts T x (topk + extra_topk) x the format's bytes per token (584, 656, 528). The copy
+ceiling is measured in the same run (a 4 GiB device-to-device copy, bytes read + written).
+"%mma" is the call's tensor work (``tensor_flops``: QK over d_qk dims and PV over d_v
+columns per head and entry) per second
 against the GPU's ``mma.sync`` f16 rate, also measured in the same run
 (``scripts/mma_ceiling.py``): what bounds the many-head shapes is the MMAs and the
 instructions around them, not the gather. The header line and the JSON (``conv_tflops``)
@@ -24,7 +31,7 @@ also give that rate with the "f16" kernel's operand work (e4m3 bytes converted i
 each used by 16 or 32 heads: ``converted_ceiling_tflops``), the most any kernel of that
 design can reach. The torch column times the float32 reference (gather, dequantize, attention)
 captured the same way. FlashMLA's times are its SM90 sparse FP8 decode measured on an H200
-by the same method (``docs/performance.md``).
+by the same method on MODEL1 caches (``docs/performance.md``); other formats have none.
 """
 
 from __future__ import annotations
@@ -38,10 +45,10 @@ from pathlib import Path
 import torch
 
 
-from cute_kernels.sparse_mla_decode.layout import D_QK, D_V, TOKEN_BYTES
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, FORMATS, KvFormat, get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode
-from scripts.mma_ceiling import HEAD_GROUPS, converted_ceiling_tflops, mma_ceiling_tflops
+from dispatch.registry import DEPLOYMENT_SHAPES
 from dispatch.testing import make_cache
 
 NUM_BLOCKS, PAGE = 4096, 64
@@ -66,10 +73,10 @@ FLASHMLA_US = {
 }
 
 
-def tensor_flops(T: int, H: int, shape: str) -> int:
-    """The tensor work of a call in FLOPs: QK (512 dims) and PV (512 value columns) per head
+def tensor_flops(T: int, H: int, shape: str, fmt: KvFormat = FORMATS[DEFAULT_FORMAT]) -> int:
+    """The tensor work of a call in FLOPs: QK (d_qk dims) and PV (d_v value columns) per head
     and entry (without the kernels' padding of heads to 16 and of entries to 32)."""
-    return 2 * T * H * sum(list_lengths(shape)) * (D_QK + D_V)
+    return 2 * T * H * sum(list_lengths(shape)) * (fmt.d_qk + fmt.d_v)
 
 
 def copy_ceiling_gbs() -> float:
@@ -86,15 +93,27 @@ GRID = [(T, H, s) for T in (1, 8, 64, 256) for H in (16, 64, 128) for s in ("128
 QUICK_TOKENS = (1, 64)
 
 
+def grid_for(kv_format: str) -> list[tuple[int, int, str]]:
+    """The bench grid of a format: MODEL1's is ``GRID`` (FlashMLA's times are for it); a
+    format without an extra cache runs the same tokens and heads at each top-k its models
+    use in the deployment registry (one source for both)."""
+    if kv_format == DEFAULT_FORMAT:
+        return GRID
+    topks = sorted({s.topk for s in DEPLOYMENT_SHAPES if s.kv_format == kv_format and not s.extra_topk})
+    return [(T, H, str(k)) for T in (1, 8, 64, 256) for H in (16, 64, 128) for k in topks]
+
+
 def list_lengths(shape: str) -> tuple[int, int]:
     """(topk, extra_topk) of a grid shape."""
     topk, _, extra = shape.partition("+")
     return int(topk), int(extra or 0)
 
 
-def inputs(T, H, shape, caches, gen):
+def inputs(T, H, shape, caches, gen, kv_format: str = DEFAULT_FORMAT):
+    """q, the main cache, its slots, the extra cache's keyword arguments and the entries per
+    token of a grid shape (``kv_format``: the caches' format, for q's width)."""
     main, extra = caches
-    q = torch.randn(T, H, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(T, H, get_format(kv_format).d_qk, generator=gen, device="cuda").to(torch.bfloat16)
     topk, extra_topk = list_lengths(shape)
     if extra_topk:  # main: the last `topk` tokens of each sequence through a random block table
         table = torch.randperm(NUM_BLOCKS, generator=gen, device="cuda")
@@ -107,12 +126,13 @@ def inputs(T, H, shape, caches, gen):
     return q, main, idx, {}, topk
 
 
-def plan_runner(q, cache, idx, kw, precision, overrides):
+def plan_runner(q, cache, idx, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT):
     """A no-argument call of the planned decode on these inputs (``plan.run``: what a serving
     engine captures in a CUDA graph)."""
-    out = torch.empty(*q.shape[:-1], D_V, dtype=torch.bfloat16, device=q.device)
+    out = torch.empty(*q.shape[:-1], get_format(kv_format).d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, overrides=overrides, **kw)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, overrides=overrides,
+                                  kv_format=kv_format, **kw)
     scratch = plan.new_scratch()
     return lambda: plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
 
@@ -134,7 +154,8 @@ def print_table(rows: list, precisions: list) -> None:
           f"{'torch us':>9} {'x torch':>8} "
           f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:]))
     for r in rows:
-        fm = FLASHMLA_US.get((r["T"], r["H"], r["topk"]))
+        model1 = r.get("kv_format", DEFAULT_FORMAT) == DEFAULT_FORMAT  # an older JSON's rows are MODEL1's
+        fm = FLASHMLA_US.get((r["T"], r["H"], r["topk"])) if model1 else None
         fm = f"{fm:>11.1f} {fm / r['us']:>10.2f}" if fm else f"{'-':>11} {'-':>10}"
         print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
               f"{r['tflops']:>7.0f} {100 * r['frac_mma']:>5.1f}% "
@@ -144,10 +165,12 @@ def print_table(rows: list, precisions: list) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv-format", default=DEFAULT_FORMAT, choices=sorted(FORMATS),
+                    help="the caches' format, and with it the grid (default: %(default)s)")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     ap.add_argument("--from-json", help="print the table of an earlier --json run and exit (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="T=1 and 64 only, no torch reference")
-    ap.add_argument("--precision", action="append", choices=("default", "bf16", "f16", "fp8"),
+    ap.add_argument("--precision", action="append", choices=("default", "bf16", "f16", "fp8", "mxf8"),
                     help="compute path(s) to time (repeatable; default: the dispatch's choice)")
     ap.add_argument("--tokens", help="comma-separated T values of the grid to run (default: all)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch reference timing")
@@ -162,31 +185,40 @@ def main(argv=None) -> int:
         return 0
     precisions = args.precision or ["default"]
     overrides = PlanOverrides(head_groups=args.head_groups, num_stages=args.stages)
+    fmt = get_format(args.kv_format)
+    full_grid = grid_for(fmt.name)
+    # the MMA ceilings build CuTe DSL kernels: imported by a run only, so that the grid and the
+    # table import anywhere (scripts.sm120_forecast, --from-json)
+    from scripts.mma_ceiling import HEAD_GROUPS, converted_ceiling_tflops, mma_ceiling_tflops
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
-    caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
-              make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
+    has_extra = any(list_lengths(s)[1] for _, _, s in full_grid)
+    caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", kv_format=fmt.name, gen=cpu_gen),
+              make_cache(NUM_BLOCKS, PAGE, device="cuda", kv_format=fmt.name, gen=cpu_gen) if has_extra else None)
     ceiling = copy_ceiling_gbs()
     mma_tflops = mma_ceiling_tflops()
     conv_tflops = {16 * g: converted_ceiling_tflops(g) for g in HEAD_GROUPS}  # heads per operand -> TFLOP/s
-    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "
+    print(f"{fmt.name} caches ({fmt.bytes_per_token} B per token, d_qk {fmt.d_qk}, d_v {fmt.d_v}); "
+          f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "
           f"mma.sync f16 ceiling {mma_tflops:.0f} TFLOP/s; with e4m3 operands converted in registers "
           + ", ".join(f"{r:.0f} ({h} heads each)" for h, r in conv_tflops.items()), flush=True)
     tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else None
-    grid = [row for row in GRID if (not args.quick or row[0] in QUICK_TOKENS) and (tokens is None or row[0] in tokens)]
+    grid = [row for row in full_grid
+            if (not args.quick or row[0] in QUICK_TOKENS) and (tokens is None or row[0] in tokens)]
     rows = []
     for n, (T, H, shape) in enumerate(grid):
-        q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen)
-        times = {p: graph_time_us(plan_runner(q, cache, idx, kw, None if p == "default" else p, overrides))
+        q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen, fmt.name)
+        times = {p: graph_time_us(plan_runner(q, cache, idx, kw, None if p == "default" else p, overrides, fmt.name))
                  for p in precisions}
         us = times[precisions[0]]
         ref_us = (math.nan if args.quick or args.no_torch
-                  else graph_time_us(lambda: reference_decode(q, cache, idx, dtype=torch.float32, **kw)))
-        gbs = T * entries * TOKEN_BYTES / (us * 1e-6) / 1e9
-        fm = FLASHMLA_US.get((T, H, shape))
-        tflops = tensor_flops(T, H, shape) / (us * 1e-6) / 1e12
-        row = dict(T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, tflops=tflops,
+                  else graph_time_us(lambda: reference_decode(q, cache, idx, dtype=torch.float32, kv_format=fmt.name,
+                                                              **kw)))
+        gbs = T * entries * fmt.bytes_per_token / (us * 1e-6) / 1e9
+        fm = FLASHMLA_US.get((T, H, shape)) if fmt.name == DEFAULT_FORMAT else None
+        tflops = tensor_flops(T, H, shape, fmt) / (us * 1e-6) / 1e12
+        row = dict(kv_format=fmt.name, T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, tflops=tflops,
                    frac_mma=tflops / mma_tflops, torch_us=ref_us,
                    speedup_vs_torch=ref_us / us, flashmla_us=fm, vs_flashmla=(fm / us) if fm else None,
                    precision=precisions[0], us_by_precision=times)
@@ -194,7 +226,8 @@ def main(argv=None) -> int:
         print(f"[{n + 1}/{len(grid)}] T={T} H={H} topk={shape}: {us:.1f} us", file=sys.stderr, flush=True)
     print_table(rows, precisions)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gbs=ceiling,
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), kv_format=fmt.name,
+                                                   copy_gbs=ceiling,
                                                    mma_tflops=mma_tflops, conv_tflops=conv_tflops, rows=rows),
                                               indent=1))
     return 0

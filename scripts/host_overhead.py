@@ -20,8 +20,11 @@ import time
 import torch
 
 
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch import plan_sparse_mla_decode, sparse_mla_decode
 from dispatch.testing import make_cache, make_indices
+
+FORMAT = get_format(DEFAULT_FORMAT)  # MODEL1 caches: the shapes include an extra cache
 
 
 def per_call_us(fn, calls: int) -> tuple[float, float]:
@@ -47,12 +50,12 @@ def main(argv=None) -> int:
     extra = make_cache(64, 64, device="cuda", gen=gen)
     rows = []
     for T, H, topk, extra_topk in ((1, 16, 128, 0), (8, 64, 128, 512)):
-        q = torch.randn(T, H, 512, generator=gen).bfloat16().cuda()
+        q = torch.randn(T, H, FORMAT.d_qk, generator=gen).bfloat16().cuda()
         idx = make_indices(T, topk, 4096, device="cuda", gen=gen)
         kw = {}
         if extra_topk:
             kw = dict(extra_kv_cache=extra, extra_indices=make_indices(T, extra_topk, 4096, device="cuda", gen=gen))
-        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(T, H, FORMAT.d_v, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, device="cuda")
         plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
         scratch = plan.new_scratch()

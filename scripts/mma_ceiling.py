@@ -26,7 +26,8 @@ of raw e4m3 rows, 16 conversions to f16 B fragments (``e4m3x4_to_f16x2``), each 
 multiplied into ``m_tiles`` m16 tiles (4 interleaved chains of 4 MMAs per tile). PV: 4
 ``ldmatrix.x4.trans``, 16 byte permutes and conversions, even and odd columns as two MMAs
 each (8 chains of 2 per tile, interleaved). The rows lie in shared memory in the kernel's
-layout (``RAW_ROW_STRIDE``); the faster of two launch bounds counts (``CONVERTED_MIN_CTAS``).
+layout (``RAW_ROW_STRIDE``: MODEL1's ``KvFormat.raw_row_stride``); the faster of two launch
+bounds counts (``CONVERTED_MIN_CTAS``).
 Left out, so this is an upper bound of that design and not a model of it: the gather, the
 scales, the S exchange, the softmax, the P loads, the barriers; the A operands (Q, P) stay
 in registers. ``m_tiles`` is the kernel's head groups (16 heads per tile): a kernel that
@@ -43,9 +44,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 
-from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, RAW_ROW_STRIDE
-from cute_kernels.sparse_mla_decode.partial_f16 import PAIR_COLUMNS, UNIT
+from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, NOPE_TILE, get_format
+from cute_kernels.sparse_mla_decode.partial_f16 import PAIR_COLUMNS
 from cute_kernels.sparse_mla_decode.warp_ops import e4m3x4_to_f16x2, ldsm_x4, mma_f16
+
+RAW_ROW_STRIDE = get_format(DEFAULT_FORMAT).raw_row_stride  # bytes between gathered rows in shared memory
+UNIT = NOPE_TILE  # columns per "f16" warp: one 64-dim nope tile
 
 THREADS = 256
 CHAINS = 8

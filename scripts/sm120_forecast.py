@@ -56,13 +56,14 @@ from pathlib import Path
 
 
 from cute_kernels.sparse_mla_decode.config import PRECISIONS, PartialConfig
-from cute_kernels.sparse_mla_decode.layout import TOKEN_BYTES
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
 from dispatch.splits import ctas_per_split, plan_splits
 from scripts.bench import GRID, list_lengths
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 from dispatch.variants import partial_shape_config
 
+FORMAT = get_format(DEFAULT_FORMAT)  # the model is of the MODEL1 kernels (its grid: scripts.bench.GRID)
 ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
 FIXED_US = 9.7  # the fastest call of the H200 bench at d931db8 (1 x 16 x 128)
 SCHEDULERS_PER_SM = 4
@@ -156,7 +157,7 @@ def model_us(T: int, H: int, shape: str, dev: Device, work: dict,
     rates = dev.tensor_flop_per_sm_cycle
     tensor_cycles = sum(f / rates[kind] for kind, f in flops.items()) if rates else 0.0
     tensor_us = chunks_per_sm * tensor_cycles / (dev.clock_ghz * 1e3)
-    gathered = T * (topk + extra) * TOKEN_BYTES  # once from DRAM: a token's head blocks run together (L2)
+    gathered = T * (topk + extra) * FORMAT.bytes_per_token  # once from DRAM: a token's head blocks run together (L2)
     memory_us = gathered / (dev.memory_gbs * 1e3)
     return FIXED_US + max(issue_us, tensor_us, memory_us), issue_us, tensor_us, memory_us
 

@@ -11,13 +11,16 @@ from pathlib import Path
 import pytest
 
 from cute_kernels.arch import SMEM_PER_CTA_MAX
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 from dispatch import aot_build, loader
 from dispatch.fingerprint import FIELDS, PROJECT_VERSION
-from dispatch.registry import registry_variants
+from dispatch.registry import DEPLOYMENT_SHAPES, registry_variants
 from dispatch.variants import variant_space
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = "merge_t128_b8|_f16_g1x16.*len11_final1_sink1"  # two merge variants (batch 8) and one partial variant
+# one "f16" partial variant of each inline-scale format
+FORMAT_SLICE = "partial_(v32_fp8|glm_nope_fp8)_f16_g1x16.*len00_final1_sink0"
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +46,13 @@ def built(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def built_formats(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot_formats")
+    assert aot_build.main(["--arch", "sm_120a", "--only", FORMAT_SLICE, "--out", str(out), "--jobs", "2"]) == 0
+    return out
+
+
 
 def test_missing_sass_tool_is_reported_before_any_compile(monkeypatch, tmp_path, capsys):
     import cute_kernels.sass_check as sass_check
@@ -65,6 +75,41 @@ def test_registry_is_what_dispatch_selects_and_what_the_build_builds():
         assert planned == registry_variants(arch)
         # every variant the dispatch can generate serves some deployment shape, and no other is built
         assert set(planned) == set(variant_space(arch))
+        for kv_format in FORMATS:  # every format's kernels, selected by the name the variants carry
+            mine = aot_build.planned_variants([arch], f"_{kv_format}_")
+            assert mine and {v.config.kv_format for v in mine} == {kv_format}
+
+
+def test_deployment_grid_holds_every_format():
+    """The models served per format: DeepSeek-V4 (MODEL1), DeepSeek-V3.2 and GLM-5.x (656-byte
+    rows, topk 2048), GLM-5.3 (rope-free rows, topk 2176, with 16 heads at TP4: the one-group
+    final-mode kernels are reached only below 17 heads), all on page 64 without an extra cache."""
+    by_model = {}
+    for s in DEPLOYMENT_SHAPES:
+        by_model.setdefault((s.model, s.kv_format), set()).add((s.num_heads, s.topk, s.page_block_size, s.extra_topk))
+    assert by_model[("DeepSeek-V3.2", "v32_fp8")] == {(h, 2048, 64, 0) for h in (128, 64, 32, 16, 8)}
+    assert by_model[("GLM-5.x", "v32_fp8")] == {(h, 2048, 64, 0) for h in (64, 32, 16, 8, 4)}
+    assert by_model[("GLM-5.3", "glm_nope_fp8")] == {(h, 2176, 64, 0) for h in (64, 32, 16)}
+    assert {f for _, f in by_model} == set(FORMATS)
+    assert all(f == "model1_fp8" for m, f in by_model if m.startswith("V4"))
+
+
+def test_inline_formats_build_without_spills(built_formats):
+    """The AOT build compiles, SASS-checks and exports the inline-scale formats' kernels (their
+    key holds the format); the rope-free GLM-5.3 kernel has no bf16 rope MMA, V3.2's has."""
+    manifest = json.loads((built_formats / "manifest.json").read_text())
+    entries = manifest["entries"]
+    assert {e["key"]["kv_format"] for e in entries.values()} == {"v32_fp8", "glm_nope_fp8"}
+    for name, e in entries.items():
+        r = e["resources"]
+        assert r["local_bytes"] == 0 and r["local_memory_instructions"] == 0
+        assert r["launch_smem_bytes"] == r["plan_smem_bytes"] <= SMEM_PER_CTA_MAX
+        has_rope_mma = any("BF16" in kind for kind in r["mma"])
+        assert has_rope_mma == (e["key"]["kv_format"] == "v32_fp8"), (name, r["mma"])
+    loader.set_aot_dir(built_formats)
+    for v in aot_build.planned_variants(["sm_120a"], FORMAT_SLICE):
+        assert loader.get_compiled(v) is not None
+    assert loader.stats == {"compiled": 0, "aot_loaded": 2, "disk_loaded": 0}
 
 
 def test_project_version_matches_pyproject():

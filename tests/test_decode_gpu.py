@@ -20,6 +20,7 @@ from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode
 from dispatch.splits import plan_splits, two_bounded_f16_ctas_fit
 from dispatch.testing import make_cache, make_indices
 from dispatch.variants import partial_shape_config
+from tests.inputs import lengths_of, sink_of
 from tests.tolerances import ACCURACY, check_against_reference, rounding_floor, seed_for
 
 pytestmark = pytest.mark.gpu
@@ -104,31 +105,8 @@ CASES = [
 ]
 
 
-def _lengths(kind, T, topk, gen, device):
-    if kind is None:
-        return None
-    if kind == "random":
-        vals = torch.randint(0, topk + 1, (T,), generator=gen)
-    else:  # edge: 0, past topk, negative, exactly topk, 1, INT32_MAX, then random
-        edge = torch.tensor([0, topk + 7, -5, topk, 1, 2**31 - 1], dtype=torch.int64)
-        vals = torch.cat([edge, torch.randint(0, topk + 1, (max(T - len(edge), 0),), generator=gen)])[:T]
-    return vals.to(torch.int32).to(device)
-
-
-def _sink(kind, H, gen, device):
-    if kind is None:
-        return None
-    if kind == "finite":
-        vals = torch.randn(H, generator=gen) * 3 + 4
-    elif kind == "+inf":
-        vals = torch.full((H,), math.inf)
-    elif kind == "-inf":
-        vals = torch.full((H,), -math.inf)
-    else:  # mixed
-        vals = torch.randn(H, generator=gen) * 3 + 4
-        vals[0::3] = math.inf
-        vals[1::3] = -math.inf
-    return vals.float().to(device)
+def _on(t, device):
+    return None if t is None else t.to(device)
 
 
 def build_inputs(case: Case, device, seed: int):
@@ -145,8 +123,8 @@ def build_inputs(case: Case, device, seed: int):
         idx[::3] = -1
     idx[:, :case.invalid_prefix] = -1
     kw = dict(
-        topk_length=_lengths(case.lengths, case.T, case.topk, gen, device),
-        attn_sink=_sink(case.sink, case.H, gen, device),
+        topk_length=_on(lengths_of(case.lengths, case.T, case.topk, gen), device),
+        attn_sink=_on(sink_of(case.sink, case.H, gen), device),
         sm_scale=case.sm_scale,
     )
     if case.extra_topk is not None:
@@ -159,7 +137,7 @@ def build_inputs(case: Case, device, seed: int):
         if case.empty_tokens:
             e_idx[::3] = -1
         kw["extra_indices"] = e_idx
-        kw["extra_topk_length"] = _lengths(case.extra_lengths, case.T, case.extra_topk, gen, device)
+        kw["extra_topk_length"] = _on(lengths_of(case.extra_lengths, case.T, case.extra_topk, gen), device)
     q = torch.randn(case.T, case.H, 512 + case.q_head_pad, generator=gen).to(torch.bfloat16).to(device)
     if case.tiny:
         q = q * 2.0**118  # keys ~2**-118: scores O(1)

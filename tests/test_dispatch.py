@@ -1,49 +1,76 @@
-"""Dispatch: variant keys, the split plan, and every refusal of the public API (CPU)."""
+"""Dispatch: variant keys, the split plan, the cache formats, the adapters, and every refusal
+of the public API (CPU)."""
 
 import dataclasses
+import hashlib
 import itertools
 import math
 import re
+import types
 
 import pytest
 import torch
 
+from cute_kernels.sparse_mla_decode.cache_format import read_cache_view
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
-from dispatch import InvalidDecodeInput, sparse_mla_decode
-from dispatch.metadata import MODEL_TYPE, DecodeMetadata
-from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
-from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm, two_ctas_per_sm
+from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
+from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8
+from dispatch import InvalidDecodeInput, kv_formats, sparse_mla_decode
+from dispatch.adapters import (
+    flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4, trtllm_batch_decode_with_kv_cache_mla,
+)
+from dispatch.api import ValidatedCall
+from dispatch.lse import convert_lse
+from dispatch.metadata import GENERIC_MODEL_TYPE, DecodeMetadata
+from dispatch.plan import DecodePlan
+from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM, registry_calls, registry_variants
+from dispatch.splits import MAX_SPLITS, SplitPlan, plan_splits, resident_ctas_per_sm, two_ctas_per_sm
 from dispatch.variants import (
     head_groups_for, partial_shape_config, precisions_for, resolve_precision, variant_space, variants_for,
 )
 from dispatch.testing import make_cache, make_indices
 
+MODEL1 = MODEL1_FP8.name
 
-def test_variant_keys_follow_the_metadata():
-    for a, b, s in itertools.product((False, True), repeat=3):
-        md = DecodeMetadata(num_tokens=3, num_heads=8, d_qk=512, topk=192, page_block_size=64, extra_topk=512,
-                            has_topk_length=a, has_extra_topk_length=b, has_sink=s)
+
+def _md(kv_format=MODEL1, **kw):
+    return DecodeMetadata(kv_format=kv_format, d_qk=FORMATS[kv_format].d_qk, **kw)
+
+
+@pytest.mark.parametrize("kv_format", sorted(FORMATS))
+def test_variant_keys_follow_the_metadata(kv_format):
+    extra_lengths = (False, True) if kv_format in EXTRA_FORMATS else (False,)
+    for a, b, s in itertools.product((False, True), extra_lengths, (False, True)):
+        md = _md(kv_format, num_tokens=3, num_heads=8, topk=192, page_block_size=64, extra_topk=512 * b,
+                 has_topk_length=a, has_extra_topk_length=b, has_sink=s)
         partial, merge = variants_for(md, "sm_120a", num_splits=3, head_groups=1)
-        assert partial.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b)  # 8 heads: one group
+        assert partial.config == PartialConfig(kv_format=kv_format, has_topk_length=a,
+                                               has_extra_topk_length=b)  # 8 heads: one group
         assert merge.config == MergeConfig(has_sink=s, split_batch=8)  # 3 splits: one batch of 8
         (final,) = variants_for(md, "sm_120a", num_splits=1, head_groups=1)  # one split: no merge, sink in the epilogue
-        assert final.config == PartialConfig(has_topk_length=a, has_extra_topk_length=b, final_output=True,
-                                             has_sink=s)
+        assert final.config == PartialConfig(kv_format=kv_format, has_topk_length=a, has_extra_topk_length=b,
+                                             final_output=True, has_sink=s)
         space = variant_space("sm_120a")
         assert partial in space and merge in space and final in space
 
 
-def test_shapes_do_not_reach_the_key():
+def test_variants_need_the_format():
+    with pytest.raises(ValueError, match="kv_format must be known"):
+        variants_for(DecodeMetadata(num_tokens=1, num_heads=16), "sm_120a", num_splits=1, head_groups=1)
+
+
+@pytest.mark.parametrize("kv_format", sorted(FORMATS))
+def test_shapes_do_not_reach_the_key(kv_format):
     """num_tokens, topk, extra_topk and page sizes are runtime values; num_heads and num_tokens
     reach the key only through the number of 16-head groups per CTA (``head_groups_for``)."""
+    extras = (0, 8192) if kv_format in EXTRA_FORMATS else (0,)
     for precision in ("bf16", "f16"):
         keys = {}
         for T, H, topk, extra, page in itertools.product((1, 65), (1, 8, 16, 17, 64, 128), (1, 100, 1152),
-                                                        (0, 8192), (2, 64, 256)):
-            md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=page,
-                                extra_topk=extra)
+                                                        extras, (2, 64, 256)):
+            md = _md(kv_format, num_tokens=T, num_heads=H, topk=topk, page_block_size=page, extra_topk=extra)
             groups = head_groups_for(H, T, num_sms=188, topk=topk, extra_topk=extra, smem_per_sm=SM120_SMEM_PER_SM,
-                                     precision=precision)
+                                     precision=precision, kv_format=kv_format)
             keys.setdefault(groups, set()).add((variants_for(md, "sm_120a", 1, groups, precision),
                                                 variants_for(md, "sm_120a", 4, groups, precision)))
         assert all(len(k) == 1 for k in keys.values())
@@ -165,7 +192,7 @@ def test_split_plans_follow_the_h200_measurements():
 def test_register_bound_only_where_two_ctas_share_an_sm(T, H, topk, extra):
     """The "f16" kernel (16- or 32-head CTAs) is held to 128 registers exactly where its grid
     has more CTAs than the H200 has SMs (two then share one); never on sm_120 (one CTA per SM)."""
-    md = DecodeMetadata(num_tokens=T, num_heads=H, d_qk=512, topk=topk, page_block_size=64, extra_topk=extra)
+    md = _md(num_tokens=T, num_heads=H, topk=topk, page_block_size=64, extra_topk=extra)
     for sms, smem, arch in ((132, H200_SMEM_PER_SM, "sm_90a"), (188, SM120_SMEM_PER_SM, "sm_120a")):
         cfg = partial_shape_config(H, T, sms, topk=topk, extra_topk=extra, smem_per_sm=smem)
         plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=sms, smem_per_sm=smem)
@@ -190,6 +217,22 @@ def _call(overrides, **kwargs):
     return sparse_mla_decode(base.pop("q"), base.pop("kv_cache"), base.pop("indices"), **base, **kwargs)
 
 
+_GEN = torch.Generator().manual_seed(0)
+V32_CACHE = make_cache(4, 64, device="cpu", kv_format=V32_FP8.name, gen=_GEN)  # [4, 64, 1, 656]
+GLM_CACHE = make_cache(4, 64, device="cpu", kv_format=GLM_NOPE_FP8.name, gen=_GEN)  # [4, 64, 1, 528]
+GLM_POOL_CACHE = make_cache(4, 64, device="cpu", kv_format=GLM_NOPE_FP8.name, row_stride=656, gen=_GEN)  # 656 wide
+Q576 = torch.randn(2, 16, 576).to(torch.bfloat16)
+V32 = dict(q=Q576, kv_cache=V32_CACHE)
+# the refusals whose message starts with another model type than MODEL1's
+PREFIX = {
+    "q width 512 on V3.2": V32_FP8.model_type, "q width 576 on GLM-5.3": GLM_NOPE_FP8.model_type,
+    "out width on V3.2": V32_FP8.model_type, "cache not of the named format": V32_FP8.model_type,
+    "cache width": GENERIC_MODEL_TYPE, "cache width 528 without kv_format": GENERIC_MODEL_TYPE,
+    "kv_format unknown": GENERIC_MODEL_TYPE, "extra cache with V3.2": V32_FP8.model_type,
+    "precision mxf8 on V3.2": V32_FP8.model_type, "valid V3.2 call on cpu": V32_FP8.model_type,
+    "valid GLM-5.3 call on cpu": GLM_NOPE_FP8.model_type,
+}
+
 # q [B=2, S=2, H, 512]: 4 tokens whose lengths may come as [2, 2]
 _BATCHED = dict(q=torch.randn(2, 2, 16, 512).to(torch.bfloat16), indices=make_indices(4, 128, 256, device="cpu"))
 # [2, 2] int32 rows 4 apart: no [4] view of it exists (reshape would copy, and the kernels read the original)
@@ -199,6 +242,10 @@ _STRIDED_ROWS = torch.zeros(2, 4, dtype=torch.int32)[:, :2]
 BAD = [
     ("q float32", dict(q=torch.randn(2, 16, 512)), {}, "q must be bfloat16"),
     ("q width 576", dict(q=torch.randn(2, 16, 576).to(torch.bfloat16)), {}, "expected d_qk = 512"),
+    ("q width 512 on V3.2", dict(kv_cache=V32_CACHE), {},
+     "q has QK width 512, expected d_qk = 576 (512 nope + 64 rope dims)"),
+    ("q width 576 on GLM-5.3", dict(q=Q576, kv_cache=GLM_CACHE), dict(kv_format="glm_nope_fp8"),
+     "q has QK width 576, expected d_qk = 512 (512 nope dims, no rope)"),
     ("q 2-D", dict(q=torch.randn(16, 512).to(torch.bfloat16)), {}, "expected [num_tokens, num_heads, 512]"),
     ("q last dim strided", dict(q=torch.randn(2, 16, 1024).to(torch.bfloat16)[..., ::2]), {},
      "contiguous in its last dimension"),
@@ -209,7 +256,13 @@ BAD = [
     ("indices strided", dict(indices=torch.zeros(2, 256, dtype=torch.int32)[:, ::2]), {},
      "indices must be contiguous in its last dimension"),
     ("cache float16", dict(kv_cache=torch.zeros(4, 64, 1, 584, dtype=torch.float16)), {}, "uint8 or float8_e4m3fn"),
-    ("cache width", dict(kv_cache=torch.zeros(4, 64, 1, 576, dtype=torch.uint8)), {}, "[num_blocks, P, 1, 584]"),
+    ("cache width", dict(kv_cache=torch.zeros(4, 64, 1, 600, dtype=torch.uint8)), {},
+     "no cache format has 600-byte rows"),
+    ("cache width 528 without kv_format", dict(kv_cache=GLM_CACHE), {},
+     "a cache whose rows are 528 bytes wide is ambiguous: pass kv_format= (one of ['glm_nope_fp8'])"),
+    ("cache not of the named format", {}, dict(kv_format="v32_fp8"), "expected [num_blocks, P, 1, 656]"),
+    ("kv_format unknown", {}, dict(kv_format="fp4"),
+     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'v32_fp8'], got 'fp4'"),
     ("cache stride", dict(kv_cache=torch.as_strided(torch.zeros(4 * 37384, dtype=torch.uint8), (4, 64, 1, 584),
                                                     (37384, 584, 584, 1))), {}, "not a multiple of 16"),
     ("cache bytes strided", dict(kv_cache=torch.zeros(4, 64, 1, 1168, dtype=torch.uint8)[..., ::2]), {},
@@ -226,6 +279,11 @@ BAD = [
                                      extra_indices=torch.zeros(2, 64, dtype=torch.int64)), "extra_indices must be int32"),
     ("extra cache bad", {}, dict(extra_kv_cache=torch.zeros(2, 100, dtype=torch.uint8),
                                  extra_indices=torch.zeros(2, 64, dtype=torch.int32)), "extra_kv_cache of shape"),
+    ("extra cache of another format", {}, dict(extra_kv_cache=V32_CACHE,
+                                               extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
+     "has v32_fp8 rows: a model1_fp8 main cache combines only with an extra cache of ['model1_fp8']"),
+    ("extra cache with V3.2", V32, dict(extra_kv_cache=V32_CACHE, extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
+     "an extra_kv_cache is not served with v32_fp8 caches"),
     ("length int64", {}, dict(topk_length=torch.zeros(2, dtype=torch.int64)), "topk_length must be int32"),
     ("length shape", {}, dict(topk_length=torch.zeros(2, 1, dtype=torch.int32)), "topk_length has shape [2, 1]"),
     ("length rows strided", _BATCHED, dict(topk_length=_STRIDED_ROWS), "topk_length must be contiguous"),
@@ -243,11 +301,19 @@ BAD = [
     ("sm_scale tensor", {}, dict(sm_scale=torch.tensor(0.1)), "sm_scale must be a finite"),
     ("out dtype", {}, dict(out=torch.empty(2, 16, 512)), "out must be bfloat16"),
     ("out shape", {}, dict(out=torch.empty(2, 16, 448, dtype=torch.bfloat16)), "out has shape [2, 16, 448]"),
+    ("out width on V3.2", V32, dict(out=torch.empty(2, 16, 576, dtype=torch.bfloat16)),
+     "out has shape [2, 16, 576], expected [2, 16, 512]"),
     ("lse dtype", {}, dict(lse=torch.empty(2, 16, dtype=torch.bfloat16)), "lse must be float32"),
     ("lse shape", {}, dict(lse=torch.empty(16, 2)), "lse has shape [16, 2], expected [2, 16]"),
-    ("lse convention", {}, dict(lse_convention="log10"), "lse_convention must be one of ('natural', 'log2_with_sink')"),
+    ("lse convention", {}, dict(lse_convention="log10"),
+     "lse_convention must be one of ('natural', 'log2_with_sink', 'natural_with_sink')"),
     ("precision unknown", {}, dict(precision="fp16"), "precision must be one of ('bf16', 'f16', 'fp8', 'mxf8')"),
+    ("precision mxf8 on V3.2", V32, dict(precision="mxf8"),
+     "precision 'mxf8' does not read v32_fp8 caches (fp32 scales): use one of ('bf16', 'f16', 'fp8')"),
     ("valid but on cpu", {}, {}, "the kernels run on CUDA devices only"),
+    ("valid V3.2 call on cpu", V32, {}, "the kernels run on CUDA devices only"),
+    ("valid GLM-5.3 call on cpu", dict(kv_cache=GLM_POOL_CACHE), dict(kv_format="glm_nope_fp8"),
+     "the kernels run on CUDA devices only"),
 ]
 
 
@@ -257,7 +323,7 @@ def test_invalid_input_is_refused_with_the_call_shape(name, overrides, kwargs, m
         _call(overrides, **kwargs)
     text = str(info.value)
     assert message in text
-    assert text.startswith(MODEL_TYPE)
+    assert text.startswith(PREFIX.get(name, MODEL1_FP8.model_type) + ": num_tokens=")
     for field in ("num_tokens=", "num_heads=", "topk=", "d_qk=", "page_block_size=", "extra_topk="):
         assert field in text
     assert isinstance(info.value, ValueError)
@@ -285,8 +351,8 @@ def test_every_supported_arch_has_its_shared_memory_per_sm():
 
     assert set(SMEM_PER_SM_BY_ARCH) == set(SUPPORTED_ARCHS)
     for arch in SUPPORTED_ARCHS:  # the 128-register variants only where an SM holds two CTAs
-        held = any(v.kind == "partial" and v.config.two_ctas_per_sm for v in variant_space(arch))
-        assert held == (arch == "sm_90a")
+        held = {v.config.kv_format for v in variant_space(arch) if v.kind == "partial" and v.config.two_ctas_per_sm}
+        assert held == ({MODEL1} if arch == "sm_90a" else set())  # only MODEL1's 256-thread "f16" kernel
 
 
 def test_resident_ctas_per_sm():
@@ -305,7 +371,7 @@ def test_resident_ctas_per_sm():
         PartialConfig(head_groups=groups, two_ctas_per_sm=True).check()
         assert resident_ctas_per_sm(PartialConfig(head_groups=groups), H200_SMEM_PER_SM) == 1  # unbounded: one
     assert PartialConfig(head_groups=1).max_registers == PartialConfig(head_groups=2).max_registers == 255
-    with pytest.raises(ValueError, match="for the \"f16\" kernel"):
+    with pytest.raises(ValueError, match="for the 256-thread \"f16\" kernel"):
         PartialConfig(head_groups=1, precision="bf16", two_ctas_per_sm=True).check()
 
 
@@ -321,11 +387,29 @@ def test_precision_defaults_and_availability():
     with pytest.raises(ValueError, match="'mxf8' is not available on sm_90a"):
         resolve_precision("mxf8", "sm_90a")
     for arch in ("sm_90a", "sm_120a"):
-        counts = {p: sum(1 for v in variant_space(arch) if v.kind == "partial" and v.config.precision == p)
-                  for p in precisions_for(arch)}
-        # every precision serves every call shape (2 groups x 12), and on the H200 the "f16"
-        # kernels of both groups also held to two CTAs per SM (24 more)
-        assert counts == {p: 24 + (24 if p == "f16" and arch == "sm_90a" else 0) for p in precisions_for(arch)}
+        counts = {}
+        for v in variant_space(arch):
+            if v.kind == "partial":
+                counts[v.config.kv_format, v.config.precision] = counts.get((v.config.kv_format, v.config.precision),
+                                                                            0) + 1
+        # MODEL1: every precision serves every call shape (2 groups x 12), and on the H200 the
+        # "f16" kernels of both groups also held to two CTAs per SM (24 more); the inline
+        # formats: no extra list (2 groups x 6), no "mxf8" (FP32 scales), never held
+        want = {(MODEL1, p): 24 + (24 if p == "f16" and arch == "sm_90a" else 0) for p in precisions_for(arch)}
+        want.update({(f, p): 12 for f in (V32_FP8.name, GLM_NOPE_FP8.name) for p in ("bf16", "f16", "fp8")})
+        assert counts == want
+
+
+def test_precision_a_format_lacks_is_refused_naming_it():
+    """"mxf8" reads UE8M0 scale bytes: MODEL1's; the FP32-scale formats are refused on every
+    arch, with the format named (the arch check comes second)."""
+    for arch in ("sm_90a", "sm_120a", "sm_121a"):
+        for kv_format in (V32_FP8.name, GLM_NOPE_FP8.name):
+            assert resolve_precision(None, arch, kv_format) == "f16"
+            assert resolve_precision("fp8", arch, kv_format) == "fp8"
+            with pytest.raises(ValueError, match=f"'mxf8' does not read {kv_format} caches"):
+                resolve_precision("mxf8", arch, kv_format)
+    assert resolve_precision("mxf8", "sm_120a", MODEL1) == "mxf8"
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -341,6 +425,294 @@ def test_plan_overrides_refuse_what_no_kernel_has(overrides, message):
         PlanOverrides(**overrides).check()
 
 
+
+# ---------------------------------------------------------------------- formats in the dispatch
+def test_variant_space_per_format():
+    """Per format: only its precisions, an extra list only where a model pairs it with an
+    extra cache, the 128-register bound only for a 256-thread "f16" kernel; every
+    configuration generates (``check``) and holds its format in its name."""
+    for arch in ("sm_90a", "sm_120a", "sm_121a"):
+        partials = [v for v in variant_space(arch) if v.kind == "partial"]
+        assert {v.config.kv_format for v in partials} == set(FORMATS)
+        for v in partials:
+            cfg = v.config
+            v.config.check()
+            assert f"_{cfg.kv_format}_" in v.name
+            assert cfg.precision != "mxf8" or cfg.kv_format == MODEL1
+            assert not cfg.has_extra_topk_length or cfg.kv_format in EXTRA_FORMATS
+            assert not cfg.two_ctas_per_sm or (cfg.precision == "f16" and cfg.num_threads == 256)
+        inline_f16 = [v.config for v in partials if v.config.kv_format != MODEL1 and v.config.precision == "f16"]
+        assert inline_f16 and all(cfg.num_threads == 288 and not cfg.two_ctas_per_sm for cfg in inline_f16)
+
+
+def test_h200_head_group_rule_only_where_the_f16_kernel_can_be_held():
+    """The H200's "f16" rule plans two 128-register CTAs per SM; the inline formats' 288-thread
+    "f16" kernel cannot be held there, so they take the generic "f16" rule (the one sm_120
+    uses, at the H200's SM count) and are planned unbounded."""
+    cases = [(128, 8, 1024), (128, 4, 1024), (64, 64, 1024), (128, 64, 1024), (128, 16, 512), (64, 12, 2048),
+             (32, 198, 1024), (128, 8, 2048), (16, 4096, 2048)]
+    differs = 0
+    for kv_format in (V32_FP8.name, GLM_NOPE_FP8.name):
+        for H, T, topk in cases:
+            got = head_groups_for(H, T, 132, topk=topk, smem_per_sm=H200_SMEM_PER_SM, kv_format=kv_format)
+            generic = head_groups_for(H, T, 132, topk=topk, smem_per_sm=SM120_SMEM_PER_SM, kv_format=kv_format)
+            model1 = head_groups_for(H, T, 132, topk=topk, smem_per_sm=H200_SMEM_PER_SM)
+            assert got == generic, (kv_format, H, T, topk)
+            differs += got != model1
+            cfg = partial_shape_config(H, T, 132, topk=topk, smem_per_sm=H200_SMEM_PER_SM, kv_format=kv_format)
+            assert cfg.kv_format == kv_format and not cfg.two_ctas_per_sm
+            cfg.check()
+    assert differs  # the H200 rule is not the generic one: the branch matters
+    assert partial_shape_config(128, 64, 132, topk=1024, smem_per_sm=H200_SMEM_PER_SM).two_ctas_per_sm
+
+
+def _model1_decisions(arch: str) -> tuple:
+    """(calls, digest of every MODEL1 registry call's decisions, variants, digest of their names
+    without the format): what the dispatch chose for MODEL1 when it was the only format."""
+    h, n = hashlib.sha256(), 0
+    for precision in precisions_for(arch):
+        for md, splits, groups, two in registry_calls(precision, arch):
+            if md.kv_format == MODEL1:
+                h.update(repr((precision, md.num_tokens, md.num_heads, md.topk, md.page_block_size, md.extra_topk,
+                               md.extra_page_block_size, md.has_topk_length, md.has_extra_topk_length, md.has_sink,
+                               splits, groups, two)).encode())
+                n += 1
+    names = sorted(v.name.replace(f"_{MODEL1}", "") for v in registry_variants(arch)
+                   if v.kind == "merge" or v.config.kv_format == MODEL1)
+    return n, h.hexdigest()[:16], len(names), hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+
+
+def test_model1_decisions_are_those_of_the_single_format_dispatch():
+    """Adding formats changed no MODEL1 decision: the head groups, splits and register bound of
+    every MODEL1 deployment call, and the MODEL1 registry (names less the format), hash to
+    what the dispatch gave before formats existed (recorded from it). A deliberate change of
+    a MODEL1 rule updates these numbers."""
+    assert _model1_decisions("sm_120a") == (66048, "030531eb0dc14d9f", 100, "e0c64cd552e91f9f")
+    assert _model1_decisions("sm_90a") == (49536, "f787030aff245961", 84, "5e33db607d1e4900")
+
+
+def _validated(cache, kv_format, **fields) -> ValidatedCall:
+    """A ValidatedCall of a cache view and nothing else (what ``plan_key`` and the plan's
+    argument values read), built on CPU: ``validate_call`` itself needs a CUDA device."""
+    empty = {f.name: None for f in dataclasses.fields(ValidatedCall)}
+    view = read_cache_view(cache, kv_format)
+    return ValidatedCall(**{**empty, "main": view, "extra": view, "kv_cache": cache, "device_index": 0,
+                            "precision": "f16", **fields})
+
+
+def test_plan_keys_distinguish_formats():
+    """One tensor layout can hold two formats (GLM-5.3 rows in 656-byte pool rows, read as V3.2
+    rows too): the plan key holds the format, so their plans never mix."""
+    v32 = _validated(GLM_POOL_CACHE, V32_FP8.name).plan_key()
+    glm = _validated(GLM_POOL_CACHE, GLM_NOPE_FP8.name).plan_key()
+    assert v32 != glm and V32_FP8.name in v32 and GLM_NOPE_FP8.name in glm
+    assert glm == _validated(GLM_POOL_CACHE, GLM_NOPE_FP8.name).plan_key()
+    assert v32[3:] == glm[3:]  # the same layouts: only the format tells them apart
+
+
+@pytest.mark.parametrize("kv_format,cache", [(MODEL1, None), (V32_FP8.name, V32_CACHE),
+                                             (GLM_NOPE_FP8.name, GLM_CACHE), (GLM_NOPE_FP8.name, GLM_POOL_CACHE)])
+def test_plan_binds_every_kernel_argument_and_the_row_strides(kv_format, cache):
+    """The plan gives every argument of the partial kernel's schema a value, the row strides
+    those of the cache views (MODEL1: its packed 584-byte rows; GLM-5.3: 528 or 656)."""
+    cache = make_cache(4, 64, device="cpu") if cache is None else cache
+    strides = dict(q_t=0, q_h=0, idx_t=0, extra_idx_t=0, main_block=1, main_row=0, main_slots=1, extra_block=1,
+                   extra_row=0, extra_slots=1, out_t=0, out_h=0, lse_t=0, lse_h=0)
+    call = _validated(cache, kv_format)
+    strides.update(main_row=call.main.row_stride, extra_row=call.extra.row_stride)
+    call.strides = strides
+    plan = types.SimpleNamespace(final=True, num_tokens=1, num_heads=16, topk=32, extra_topk=0,
+                                 split=SplitPlan(1, 1, 1), _o_part_bytes=0)
+    values = DecodePlan._argument_values(plan, call, present={"q", "main", "indices", "out", "lse"})
+    assert set(values) == {a.name for a in PARTIAL_ARGS}
+    expected = FORMATS[kv_format].bytes_per_token if kv_format == MODEL1 else cache.stride(1)
+    assert values["main_row_stride"] == values["extra_row_stride"] == expected
+
+
+# ---------------------------------------------------------------------- the kv_formats module
+def _exact_latent(fmt, num_tokens, gen):
+    """A latent every writer stores exactly: e4m3 values times a power of two per scale group,
+    each group's largest magnitude 448 times its scale (so pow2 and amax / 448 scales are the
+    same), the rope dims bf16 values."""
+    codes = torch.randn(num_tokens, fmt.num_scales, fmt.scale_group, generator=gen).clamp(-440, 440)
+    codes = (codes * 64).to(torch.float8_e4m3fn).float()
+    codes[..., 0] = 448.0
+    scale = torch.exp2(torch.randint(-8, 4, (num_tokens, fmt.num_scales, 1), generator=gen).float())
+    rope = torch.randn(num_tokens, fmt.rope_dims, generator=gen).to(torch.bfloat16).float()
+    return torch.cat([(codes * scale).reshape(num_tokens, fmt.nope_dims), rope], dim=-1)
+
+
+def test_kv_formats_lists_every_format_with_its_widths():
+    assert sorted(kv_formats.FORMATS) == ["glm_nope_fp8", "model1_fp8", "v32_fp8"]
+    widths = {name: (f.bytes_per_token, f.d_qk, f.d_v) for name, f in kv_formats.FORMATS.items()}
+    assert widths == {"model1_fp8": (584, 512, 512), "v32_fp8": (656, 576, 512), "glm_nope_fp8": (528, 512, 512)}
+    assert kv_formats.DEFAULT_FORMAT == MODEL1 and kv_formats.FORMATS[MODEL1] is MODEL1_FP8
+    assert all(kv_formats.writers(name) for name in kv_formats.FORMATS)  # each packs as some engine writes it
+    doc_rows = {ln.split("|")[1].strip().strip("`"): [c.strip() for c in ln.split("|")[3:6]]
+                for ln in kv_formats.__doc__.splitlines() if ln.startswith("| ``")}
+    assert {n: (int(r[0].split()[0]), int(r[1]), int(r[2])) for n, r in doc_rows.items()} == widths
+
+
+@pytest.mark.parametrize("kv_format", sorted(FORMATS))
+def test_pack_pads_to_whole_blocks_and_unpack_returns_the_latent(kv_format):
+    fmt = FORMATS[kv_format]
+    gen = torch.Generator().manual_seed(1)
+    latent = _exact_latent(fmt, 100, gen)
+    cache = kv_formats.pack(latent, kv_format, 16)
+    assert cache.dtype == torch.uint8 and cache.shape[:3] == (7, 16, 1)  # ceil(100 / 16) blocks
+    assert read_cache_view(cache, kv_format).fmt is fmt
+    back = kv_formats.unpack(cache, kv_format).reshape(-1, fmt.d_qk)
+    assert torch.equal(back[:100], latent)
+    assert torch.equal(back[100:], torch.zeros(12, fmt.d_qk))  # the padding slots: zero tokens
+    blocks = kv_formats.pack(latent[:96].reshape(6, 16, fmt.d_qk), kv_format, 16)
+    assert torch.equal(kv_formats.unpack(blocks, kv_format).reshape(-1, fmt.d_qk), latent[:96])
+    for writer in kv_formats.writers(kv_format):  # every writer stores this latent exactly
+        assert torch.equal(kv_formats.unpack(kv_formats.pack(latent, kv_format, 64, writer=writer),
+                                             kv_format).reshape(-1, fmt.d_qk)[:100], latent)
+    with pytest.raises(InvalidDecodeInput, match="the kernels run on CUDA devices only"):  # the API accepts it
+        q = torch.randn(1, 16, fmt.d_qk).to(torch.bfloat16)
+        sparse_mla_decode(q, cache, torch.zeros(1, 8, dtype=torch.int32), kv_format=kv_format)
+
+
+def test_pack_pitch_and_unpack_by_width():
+    gen = torch.Generator().manual_seed(2)
+    latent = _exact_latent(GLM_NOPE_FP8, 64, gen)
+    pool = kv_formats.pack(latent, "glm_nope_fp8", 64, row_stride=656)
+    assert pool.shape == (1, 64, 1, 656) and pool.stride(1) == 656
+    assert torch.equal(kv_formats.unpack(pool, "glm_nope_fp8").reshape(-1, 512), latent)
+    v32 = kv_formats.pack(_exact_latent(V32_FP8, 64, gen), "v32_fp8", 64)
+    assert kv_formats.unpack(v32).shape == (1, 64, 576)  # 656 bytes: V3.2 by its width
+    with pytest.raises(ValueError, match="528 bytes wide is ambiguous"):
+        kv_formats.unpack(kv_formats.pack(latent, "glm_nope_fp8", 64))
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    ((torch.randn(10, 576), "v32_fp8", 0), {}, "page_block_size must be a positive int, got 0"),
+    ((torch.randn(10, 512), "v32_fp8", 16), {}, "a v32_fp8 latent is [num_tokens, 576] or [num_blocks, P, 576]"),
+    ((torch.randn(2, 8, 512), "model1_fp8", 16), {}, "has blocks of 8 tokens, page_block_size is 16"),
+    ((torch.randn(0, 512), "model1_fp8", 16), {}, "holds no token"),
+    ((torch.zeros(10, 512, dtype=torch.int32), "model1_fp8", 16), {}, "must be a floating-point torch.Tensor"),
+    ((torch.randn(10, 512), "fp4", 16), {}, "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'v32_fp8']"),
+    ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(writer="flashmla"),
+     f"writer must be one of {kv_formats.writers('glm_nope_fp8')} for glm_nope_fp8, got 'flashmla'"),
+    ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(row_stride=600), "row_stride 600 must be a multiple of 16"),
+])
+def test_pack_refuses_with_the_reason(args, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kv_formats.pack(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------- adapters (CPU: up to the device check)
+def _refused(fn, *args, **kwargs) -> str:
+    with pytest.raises(InvalidDecodeInput) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def _vllm_v32_call(**overrides):
+    """The call vLLM's SM120 sparse MLA backend makes (q [T, H, 576] unsqueezed to one query
+    per request, the [num_blocks, P, 656] cache unsqueezed to HND, indices [T, 1, topk])."""
+    T, H, topk = 3, 16, 64
+    kw = dict(query=torch.randn(T, 1, H, 576).to(torch.bfloat16), kv_cache=V32_CACHE.squeeze(2).unsqueeze(1),
+              workspace_buffer=torch.empty(16, dtype=torch.uint8), qk_nope_head_dim=128, kv_lora_rank=512,
+              qk_rope_head_dim=64, block_tables=torch.zeros(T, 1, topk, dtype=torch.int32), seq_lens=None,
+              max_seq_len=topk, out=torch.empty(T, 1, H, 512, dtype=torch.bfloat16), bmm1_scale=0.1, bmm2_scale=1.0,
+              sparse_mla_top_k=topk, kv_scale_format="pow2_fp32")
+    kw.update(overrides)
+    return kw
+
+
+def test_flashinfer_mla_adapter_serves_the_vllm_v32_and_glm_calls():
+    for scale_format in ("auto", "pow2_fp32", "arbitrary_fp32"):
+        text = _refused(trtllm_batch_decode_with_kv_cache_mla, **_vllm_v32_call(kv_scale_format=scale_format))
+        assert text.startswith(V32_FP8.model_type + ": num_tokens=3, num_heads=16, topk=64, d_qk=576")
+        assert text.endswith("the kernels run on CUDA devices only")
+    # a [num_pages, P, 656] cache, lengths per token
+    text = _refused(trtllm_batch_decode_with_kv_cache_mla, **_vllm_v32_call(
+        kv_cache=V32_CACHE.squeeze(2), seq_lens=torch.full((3,), 5, dtype=torch.int32)))
+    assert text.endswith("the kernels run on CUDA devices only")
+    # GLM-5.3 rope-free rows in a 656-byte pool: read as GLM-5.3 (the width alone says V3.2)
+    glm = _vllm_v32_call(query=torch.randn(3, 1, 16, 512).to(torch.bfloat16), qk_rope_head_dim=0,
+                         kv_cache=GLM_POOL_CACHE.squeeze(2).unsqueeze(1), kv_scale_format="arbitrary_fp32",
+                         sparse_mla_top_k_lens=torch.full((3,), 5, dtype=torch.int32))
+    text = _refused(trtllm_batch_decode_with_kv_cache_mla, **glm)
+    assert text.startswith(GLM_NOPE_FP8.model_type + ": num_tokens=3, num_heads=16, topk=64, d_qk=512")
+    assert text.endswith("the kernels run on CUDA devices only")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(qk_rope_head_dim=32), "kv_lora_rank=512, qk_rope_head_dim=32 name no FP32-scale cache format"),
+    (dict(kv_scale_format="ue8m0_g32"), "kv_scale_format must be one of ('auto', 'pow2_fp32', 'arbitrary_fp32')"),
+    (dict(sparse_mla_top_k=0), "sparse_mla_top_k must be a positive int (dense MLA decode is not served)"),
+    (dict(backend="trtllm-gen"), "backend must be 'auto' or 'sparse'"),
+    (dict(cum_seq_lens_q=torch.zeros(4, dtype=torch.int32)), "cum_seq_lens_q / max_q_len (ragged query lengths)"),
+    (dict(enable_dcp=True), "decode context parallelism"),
+    (dict(skip_softmax_threshold_scale_factor=1.0), "skip_softmax_threshold_scale_factor is not served"),
+    (dict(uses_shared_paged_kv_idx=False), "separate K/V page indices"),
+    (dict(bmm2_scale=2.0), "bmm2_scale must be 1.0"),
+    (dict(bmm1_scale=torch.tensor(0.1)), "must be Python floats"),
+    (dict(block_tables=torch.zeros(3, 1, 32, dtype=torch.int32)), "expected [3, 1, 64]"),
+    (dict(sinks=[torch.zeros(16), torch.zeros(16)]), "got a list of 2"),
+    (dict(lse=torch.empty(3, 16)), "lse was given without return_lse=True"),
+    (dict(return_lse=True, lse=torch.empty(16, 3)), "lse must be float32 [3, 16] or [3, 1, 16]"),
+    (dict(return_lse_base="base10"), "return_lse_base must be 'basee', 'base2' or None"),
+    (dict(return_lse_base="basee", lse_convention="log2_with_sink"), "pass one"),
+    (dict(lse_convention="log10"), "lse_convention must be one of"),
+    (dict(seq_lens=torch.zeros(2, dtype=torch.int32)), "seq_lens has shape [2], expected [3], [3] or [3, 1]"),
+    (dict(seq_lens=torch.zeros(3, dtype=torch.int32), sparse_mla_top_k_lens=torch.zeros(3, dtype=torch.int32)),
+     "seq_lens or sparse_mla_top_k_lens, not both"),
+    (dict(query=torch.randn(3, 16, 576).to(torch.bfloat16)), "query must be [batch, seq_q, num_heads, 576]"),
+    (dict(query=torch.randn(3, 1, 16, 512).to(torch.bfloat16)), "q has QK width 512, expected d_qk = 576"),
+    (dict(kv_cache=torch.zeros(4, 1, 64, 584, dtype=torch.uint8)), "expected [num_blocks, P, 1, 656]"),
+])
+def test_flashinfer_mla_adapter_refuses_what_it_does_not_serve(overrides, message):
+    text = _refused(trtllm_batch_decode_with_kv_cache_mla, **_vllm_v32_call(**overrides))
+    assert message in text
+    prefix = GENERIC_MODEL_TYPE if "qk_rope_head_dim" in overrides else V32_FP8.model_type
+    assert text.startswith(prefix + ": ")
+
+
+def test_flash_mla_adapter_serves_v32_and_refuses_a_wrong_value_width():
+    q = torch.randn(2, 1, 16, 576).to(torch.bfloat16)
+    idx = torch.zeros(2, 1, 32, dtype=torch.int32)
+    text = _refused(flash_mla_with_kvcache, q, V32_CACHE, head_dim_v=512, is_fp8_kvcache=True, indices=idx)
+    assert text.startswith(V32_FP8.model_type) and text.endswith("the kernels run on CUDA devices only")
+    text = _refused(flash_mla_with_kvcache, q, V32_CACHE, head_dim_v=576, is_fp8_kvcache=True, indices=idx)
+    assert text.startswith(V32_FP8.model_type) and "head_dim_v must be 512 (the value width of v32_fp8 caches)" in text
+    text = _refused(flash_mla_with_kvcache, q[..., :512], GLM_CACHE, is_fp8_kvcache=True, indices=idx,
+                    kv_format="glm_nope_fp8")
+    assert text.startswith(GLM_NOPE_FP8.model_type) and text.endswith("the kernels run on CUDA devices only")
+
+
+def test_dsv4_adapter_reads_model1_caches_only():
+    q = torch.randn(2, 16, 512).to(torch.bfloat16)
+    text = _refused(trtllm_batch_decode_sparse_mla_dsv4, q, V32_CACHE, None, torch.zeros(2, 32, dtype=torch.int32),
+                    kv_layout="NHD")
+    assert text.startswith(MODEL1_FP8.model_type) and "expected [num_blocks, P, 1, 584]" in text
+
+
+def test_natural_with_sink_is_the_log2_convention_in_natural_units():
+    lse = torch.tensor([[0.5, math.inf], [math.inf, 2.0]])  # [T, H]; +inf: a token with no valid entry
+    sink = torch.tensor([1.0, -math.inf])
+    natural = convert_lse(lse, sink, "natural_with_sink")
+    assert torch.allclose(natural, convert_lse(lse, sink, "log2_with_sink") * math.log(2), rtol=0, atol=1e-6)
+    assert natural[1, 0] == 1.0  # empty: the sink alone
+    assert natural[0, 1] == -math.inf and natural[1, 1] == 2.0  # a -inf sink: empty stays ln 0, the rest unchanged
+    assert torch.allclose(natural[0, 0], torch.logaddexp(torch.tensor(0.5), torch.tensor(1.0)))
+
+
+def test_torch_op_takes_the_format():
+    """The op's schema has kv_format; its fake gives out the format's value width (every
+    format's D_V) from q's shape alone, as torch.compile traces it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    schema = str(torch.ops.dsv4_mla.sparse_mla_decode.default._schema)
+    assert "str? kv_format=None" in schema
+    with FakeTensorMode():
+        q = torch.empty(3, 16, 576, dtype=torch.bfloat16)
+        out, lse = torch.ops.dsv4_mla.sparse_mla_decode(q, torch.empty(4, 64, 1, 656, dtype=torch.uint8),
+                                                        torch.empty(3, 8, dtype=torch.int32), 0.1, kv_format="v32_fp8")
+        assert out.shape == (3, 16, V32_FP8.d_v) and lse.shape == (3, 16)
 @pytest.mark.parametrize("overrides,message", [
     (dict(head_groups=True), "overrides.head_groups must be an int or None, got True (bool)"),
     (dict(num_splits=2.0), "overrides.num_splits must be an int or None, got 2.0 (float)"),

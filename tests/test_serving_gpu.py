@@ -14,7 +14,9 @@ import torch
 
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import plan_sparse_mla_decode, sparse_mla_decode
-from dispatch.adapters import flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4
+from dispatch.adapters import (
+    flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4, trtllm_batch_decode_with_kv_cache_mla,
+)
 from dispatch.lse import convert_lse
 from dispatch.testing import INT32_MAX, INT32_MIN, make_cache, make_indices
 from tests.tolerances import LSE_TOL, check_against_reference, rounding_floor, seed_for
@@ -287,3 +289,97 @@ def test_core_api_lse_convention_is_explicit():
     natural_out, natural_lse = sparse_mla_decode(q, cache, idx, **kw)
     assert torch.equal(out, natural_out)
     _check(natural_out, natural_lse, q, cache, idx, kw, seed, "natural lse")
+
+
+
+# ---------------------------------------------------------------------- the FP32-scale formats
+def _fp32_inputs(kv_format, T, H, topk, *, gen, row_stride=None, sink=False):
+    """A cache of ``kv_format`` as vLLM's writer fills it (FP32 scales over several binades, not
+    powers of two), a [T, H, d_qk] q and slots (a tenth invalid), lengths, an optional sink."""
+    d_qk = {"v32_fp8": 576, "glm_nope_fp8": 512}[kv_format]
+    cache = make_cache(64, 64, device=DEV, kv_format=kv_format, row_stride=row_stride, writer="vllm",
+                       scale_spread=3.0, gen=gen)
+    q = torch.randn(T, H, d_qk, generator=gen).bfloat16().to(DEV)
+    idx = make_indices(T, topk, 64 * 64, device=DEV, invalid_frac=0.1, gen=gen)
+    kw = {"topk_length": torch.randint(0, topk + 1, (T,), generator=gen).int().to(DEV)}
+    if sink:
+        kw["attn_sink"] = (torch.randn(H, generator=gen) + 3).to(DEV)
+    return q, cache, idx, kw
+
+
+@pytest.mark.parametrize("T", [1, 300])
+@pytest.mark.parametrize("kv_format,row_stride", [("v32_fp8", None), ("glm_nope_fp8", 528),
+                                                  ("glm_nope_fp8", 656)])
+def test_fp32_scale_formats_planned_and_replayed(kv_format, row_stride, T):
+    """One-shot, planned and graph-replayed calls on each FP32-scale format (GLM-5.3 in its own
+    rows and in 656-byte pool rows: the row stride a runtime argument) give the same bits, and
+    match the reference of that format."""
+    gen, seed = _gen(f"fp32 formats {kv_format} {row_stride} {T}")
+    q, cache, idx, kw = _fp32_inputs(kv_format, T, 32, 256, gen=gen, row_stride=row_stride, sink=True)
+    out = torch.full((T, 32, 512), math.nan, dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((T, 32), math.nan, device=DEV)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, kv_format=kv_format, **kw)
+    assert plan.kv_format == kv_format and all(kv_format in v.name for v in plan.variants if v.kind == "partial")
+    scratch = plan.new_scratch()
+    plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+    _refill(q, idx, kw, gen)
+    out.fill_(math.nan)
+    graph.replay()
+    one_out, one_lse = sparse_mla_decode(q, cache, idx, kv_format=kv_format, **kw)
+    assert torch.equal(out, one_out) and torch.equal(lse, one_lse)
+    _check(out, lse, q, cache, idx, dict(kw, kv_format=kv_format), seed, f"{kv_format} rows {row_stride}")
+
+
+def test_flashinfer_mla_adapter_serves_vllms_v32_call():
+    """The call vLLM's SM120 sparse MLA backend makes for DeepSeek-V3.2 / GLM-5.x, word for word
+    (q [T, H, 576] as [T, 1, H, 576], the [blocks, P, 656] cache as HND, [T, 1, topk] slots, no
+    lengths), with the lse asked for: base 2 by default, natural with ``return_lse_base``."""
+    T, H, topk = 5, 64, 2048
+    gen, seed = _gen("flashinfer mla v32")
+    q, cache, idx, _ = _fp32_inputs("v32_fp8", T, H, topk, gen=gen)
+    vllm_cache = cache.squeeze(2)  # vLLM's [num_blocks, block_size, 656] pool
+    out = torch.empty(T, 1, H, 512, dtype=torch.bfloat16, device=DEV)
+    result, lse2 = trtllm_batch_decode_with_kv_cache_mla(
+        query=q.unsqueeze(1), kv_cache=vllm_cache.unsqueeze(1), workspace_buffer=None, qk_nope_head_dim=128,
+        kv_lora_rank=512, qk_rope_head_dim=64, block_tables=idx.unsqueeze(1), seq_lens=None, max_seq_len=topk,
+        out=out, bmm1_scale=0.04, bmm2_scale=1.0, sparse_mla_top_k=topk, kv_scale_format="pow2_fp32",
+        return_lse=True)
+    assert result is out and lse2.shape == (T, H)
+    ref_kw = dict(sm_scale=0.04, kv_format="v32_fp8")
+    ref_out, ref_lse = reference_decode(q, cache, idx, **ref_kw)
+    assert torch.allclose(lse2.double(), convert_lse(ref_lse, None, "log2_with_sink"), rtol=LSE_TOL, atol=LSE_TOL)
+    natural = torch.empty(T, 1, H, device=DEV)
+    _, lse_e = trtllm_batch_decode_with_kv_cache_mla(
+        q.unsqueeze(1), vllm_cache, None, 128, 512, 64, idx.unsqueeze(1), None, topk, sparse_mla_top_k=topk,
+        bmm1_scale=0.04, kv_scale_format="arbitrary_fp32", return_lse=True, lse=natural, return_lse_base="basee")
+    assert lse_e is natural
+    _check(result.squeeze(1), natural.squeeze(1), q, cache, idx, ref_kw, seed, "trtllm_batch_decode_with_kv_cache_mla")
+
+
+def test_flashinfer_mla_adapter_serves_glm53_rope_free_rows():
+    """GLM-5.3's rope-free rows (512 + 0) in vLLM's 656-byte pool rows, lengths per token."""
+    T, H, topk = 3, 32, 2176
+    gen, seed = _gen("flashinfer mla glm53")
+    q, cache, idx, kw = _fp32_inputs("glm_nope_fp8", T, H, topk, gen=gen, row_stride=656)
+    out, lse = trtllm_batch_decode_with_kv_cache_mla(
+        q.unsqueeze(1), cache.squeeze(2), None, 256, 512, 0, idx.unsqueeze(1), kw["topk_length"], topk,
+        sparse_mla_top_k=topk, bmm1_scale=0.05, kv_scale_format="arbitrary_fp32", return_lse=True,
+        lse_convention="natural")
+    _check(out.squeeze(1), lse, q, cache, idx, dict(kw, sm_scale=0.05, kv_format="glm_nope_fp8"), seed,
+           "GLM-5.3 adapter")
+
+
+def test_flash_mla_adapter_serves_v32():
+    B, S, H, topk = 2, 2, 16, 512
+    gen, seed = _gen("flash_mla v32")
+    q, cache, idx, kw = _fp32_inputs("v32_fp8", B * S, H, topk, gen=gen)
+    out, lse = flash_mla_with_kvcache(q.view(B, S, H, 576), cache, None, None, 512, None, None, softmax_scale=0.06,
+                                      is_fp8_kvcache=True, indices=idx.view(B, S, topk),
+                                      topk_length=kw["topk_length"].view(B, S))
+    assert out.shape == (B, S, H, 512) and lse.shape == (B, H, S)
+    _check(out.reshape(B * S, H, 512), lse.transpose(1, 2).reshape(B * S, H), q, cache, idx,
+           dict(kw, sm_scale=0.06, kv_format="v32_fp8"), seed, "flash_mla_with_kvcache v32")

@@ -29,22 +29,36 @@ def test_variant_builds_for_sm120_without_spills(variant, deployment_build):
     assert res["registers"] <= 255
     if variant.kind == "partial":
         mt = variant.config.head_groups
-        expected = {
-            # QK (8 k-steps x 4 n-tiles) and PV (2 k-steps x 16 n-tiles) per warp
-            "bf16": {"HMMA.16816.F32.BF16": 64},
-            # per m16 tile: nope warps QK 4 n-tiles x 4 k-steps, PV 8 n-tiles x 2 k-steps (f16);
-            # the rope warp the same in bf16 (each role's loop once in the SASS)
-            "f16": {"HMMA.16816.F32": 32 * mt, "HMMA.16816.F32.BF16": 32 * mt},
-            # QK: 2 tiles x 4 n-tiles x (2 hi + 2 lo) e4m3; PV: 2 tiles x 8; rope: 4 + 4 bf16
-            "fp8": {"QMMA.16832.F32.E4M3.E4M3": 48, "HMMA.16816.F32.BF16": 8},
-            # the same, the QK e4m3 MMAs block-scaled (UE8M0 scale factors)
-            "mxf8": {"QMMA.SF.16832.F32.E4M3.E4M3.E8": 32, "QMMA.16832.F32.E4M3.E4M3": 16,
-                     "HMMA.16816.F32.BF16": 8},
+        fmt = variant.config.fmt
+        rope_qk = fmt.rope_dims > 0  # the rope dims' QK: bf16 MMAs on the raw rope bytes
+        rope_pv = fmt.rope_in_v  # their PV (MODEL1): bf16 MMAs
+        bf16 = {
+            # QK (8 k-steps x 4 n-tiles) and PV (2 k-steps x 16 n-tiles) per warp, over the tile's
+            # 512 columns; V3.2's rope dims 4 more (one k-step x 4 n-tiles, from the raw rows)
+            "bf16": 64 + (4 if fmt.d_qk > 512 else 0),
+            # the rope warp per m16 tile: QK 4 n-tiles x 4 k-steps, PV 8 n-tiles x 2 k-steps
+            "f16": (16 * rope_qk + 16 * rope_pv) * mt,
+            # rope QK and PV: 4 each
+            "fp8": 4 * rope_qk + 4 * rope_pv,
+            "mxf8": 4 * rope_qk + 4 * rope_pv,
         }[variant.config.precision]
+        expected = {
+            "bf16": {},
+            # per m16 tile: nope warps QK 4 n-tiles x 4 k-steps, PV 8 n-tiles x 2 k-steps (f16)
+            # (each role's loop once in the SASS)
+            "f16": {"HMMA.16816.F32": 32 * mt},
+            # QK: 2 tiles x 4 n-tiles x (2 hi + 2 lo) e4m3; PV: 2 tiles x 8
+            "fp8": {"QMMA.16832.F32.E4M3.E4M3": 48},
+            # the same, the QK e4m3 MMAs block-scaled (UE8M0 scale factors)
+            "mxf8": {"QMMA.SF.16832.F32.E4M3.E4M3.E8": 32, "QMMA.16832.F32.E4M3.E4M3": 16},
+        }[variant.config.precision]
+        if bf16:
+            expected["HMMA.16816.F32.BF16"] = bf16
         assert res["mma"] == expected
         assert res["registers"] <= variant.config.max_registers
         # QK's n tiles two or four at a time (``tuning``'s QK_TILES_AT_ONCE): no MMA of a main
         # loop waits on the one just before it (one tile at a time: 12 per role and chunk in
-        # "f16", 23 / 22 per chunk in "fp8" / "mxf8")
-        loops = {"f16": 2}.get(variant.config.precision, 1)
+        # "f16", 23 / 22 per chunk in "fp8" / "mxf8"); "f16" has two MMA loops where its rope
+        # warp multiplies (GLM-5.3's, rope-free, only gathers)
+        loops = 1 + int(variant.config.precision == "f16" and rope_qk)
         assert res["chained_mma"] == [0] * loops

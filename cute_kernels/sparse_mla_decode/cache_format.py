@@ -1,14 +1,16 @@
-"""Pack, unpack and read the DSV4 FP8 cache ("MODEL1" layout) with torch, on CPU or GPU.
+"""Read, pack and unpack sparse-MLA caches of every format (``kv_format.FORMATS``) with torch.
 
-Accepted cache views (uint8 or float8_e4m3fn, one byte per element):
+Accepted cache views (uint8 or float8_e4m3fn, one byte per element), W the last dimension:
 
-- ``[num_blocks, P, 1, 584]`` ("NHD"),
-- ``[num_blocks, 1, P, 584]`` ("HND"),
-- ``[num_blocks, P*584]`` (blocks as bytes; any padding lives in the block stride).
+- ``[num_blocks, P, 1, W]`` ("NHD") and ``[num_blocks, 1, P, W]`` ("HND");
+- ``[num_blocks, P * W]`` (a block as bytes; any padding lives in the block stride).
 
-Inside a block the P*584 bytes must be contiguous; the block stride (``stride(0)``) may be
-larger than P*584 (FlashMLA pads each block to a multiple of 576 bytes) and must be a
-multiple of 16 bytes, as must the data pointer.
+A footer format (MODEL1) has W = its bytes per token and packed rows (token stride W); an
+inline format has W at least its row bytes (a wider W, such as GLM-5.3 rows in 656-byte pool
+rows, holds bytes that are never read) and any token stride (the row stride) that is a
+multiple of 16 and at least its row bytes; a 2-D view has the format's default row pitch.
+The block stride may exceed the block's bytes and must be a multiple of 16, as must the data
+pointer. ``CacheLayoutError`` says what a view lacks.
 """
 
 from __future__ import annotations
@@ -18,34 +20,26 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import (
-    BLOCK_STRIDE_ALIGN,
-    D_NOPE,
-    D_QK,
-    D_ROPE,
-    FP8_E4M3_MAX,
-    NUM_TILES,
-    ROW_BYTES,
-    SCALE_BYTES,
-    TILE,
-    TOKEN_BYTES,
-    UE8M0_BIAS,
-)
+from .kv_format import DEFAULT_FORMAT, FORMAT_BY_WIDTH, FORMATS, FP8_E4M3_MAX, UE8M0_BIAS, KvFormat, formats_of_width, get_format
 
 CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+ALIGN = 16  # block and row strides and the data pointer: the row copies are 16-byte cp.async
+FLT_MIN = 2.0**-126
 
 
 class CacheLayoutError(ValueError):
-    """The cache tensor is not a view of the DSV4 FP8 layout this library reads."""
+    """The cache tensor is not a view of the format this library reads."""
 
 
 @dataclass(frozen=True)
 class CacheView:
-    """A validated cache: its byte blocks as a 2-D uint8 view ``[num_blocks, P*584]``."""
+    """A validated cache: its blocks as a 2-D uint8 view ``[num_blocks, block_used_bytes]``."""
 
-    blocks: torch.Tensor  # uint8 [num_blocks, P*584], stride (block_stride, 1)
+    blocks: torch.Tensor  # uint8 [num_blocks, used], stride (block_stride, 1)
+    fmt: KvFormat
     page_block_size: int
     block_stride: int  # bytes between consecutive blocks
+    row_stride: int  # bytes between consecutive tokens' rows inside a block
 
     @property
     def num_blocks(self) -> int:
@@ -54,6 +48,13 @@ class CacheView:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.page_block_size
+
+
+def block_used_bytes(fmt: KvFormat, page: int, row_stride: int) -> int:
+    """The bytes of a block of ``page`` tokens that hold data (the rest is padding)."""
+    if fmt.inline:
+        return (page - 1) * row_stride + fmt.row_bytes
+    return page * fmt.bytes_per_token
 
 
 def page_division_magic(page_block_size: int) -> int:
@@ -71,156 +72,274 @@ def page_division_magic(page_block_size: int) -> int:
     return magic | (shift << 32)
 
 
-def default_block_stride(page_block_size: int) -> int:
-    """FlashMLA's allocation: P*584 bytes rounded up to a multiple of 576."""
-    used = page_block_size * TOKEN_BYTES
-    return ROW_BYTES * math.ceil(used / ROW_BYTES)
+def default_block_stride(fmt: KvFormat, page_block_size: int, row_stride: int | None = None) -> int:
+    """The packers' block stride: MODEL1 as FlashMLA allocates it (P * 584 rounded up to a
+    multiple of 576), an inline format's rows back to back (a multiple of 16 by the pitch)."""
+    if fmt.inline:
+        return page_block_size * (row_stride or fmt.row_pitches[0])
+    used = page_block_size * fmt.bytes_per_token
+    return fmt.row_bytes * math.ceil(used / fmt.row_bytes)
 
 
-def read_cache_view(cache: torch.Tensor, name: str = "kv_cache") -> CacheView:
-    """Validate a cache tensor and return its blocks as bytes. Raises ``CacheLayoutError``."""
+def format_of(cache, kv_format: str | None) -> KvFormat:
+    """The format a cache is read as: ``kv_format`` when given, else the one its last
+    dimension's width names (``FORMAT_BY_WIDTH``); CacheLayoutError for an ambiguous width."""
+    if kv_format is not None:
+        try:
+            return get_format(kv_format)
+        except ValueError as err:
+            raise CacheLayoutError(str(err)) from None
+    if not isinstance(cache, torch.Tensor) or cache.dim() not in (2, 4):
+        shown = list(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+        raise CacheLayoutError(f"a cache is a 2-D or 4-D byte tensor, got {shown}")
+    width = cache.shape[-1]
+    if cache.dim() == 2 and width:
+        fits = sorted(f.name for f in FORMATS.values()
+                      if width % (f.row_pitches[0] if f.inline else f.bytes_per_token) == 0)
+        if fits == [DEFAULT_FORMAT]:
+            return FORMATS[DEFAULT_FORMAT]
+        if fits:
+            raise CacheLayoutError(f"a 2-D cache is read as {DEFAULT_FORMAT} unless kv_format= names its format "
+                                   f"(its {width} bytes per block fit {fits})")
+    if cache.dim() == 4 and width in FORMAT_BY_WIDTH:
+        return FORMATS[FORMAT_BY_WIDTH[width]]
+    candidates = formats_of_width(width) if width is not None else []
+    if candidates:
+        raise CacheLayoutError(f"a cache whose rows are {width} bytes wide is ambiguous: pass kv_format= "
+                               f"(one of {candidates})")
+    raise CacheLayoutError(f"no cache format has {width}-byte rows: pass kv_format= (one of {sorted(FORMATS)})")
+
+
+def read_cache_view(cache: torch.Tensor, kv_format: str | None = None, name: str = "kv_cache") -> CacheView:
+    """Validate a cache tensor as ``kv_format`` (None: by its width) and return its blocks as
+    bytes. Raises ``CacheLayoutError``."""
     if not isinstance(cache, torch.Tensor):
         raise CacheLayoutError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
     if cache.dtype not in CACHE_DTYPES:
-        raise CacheLayoutError(
-            f"{name} must be uint8 or float8_e4m3fn (the DSV4 FP8 cache as bytes), got {cache.dtype}"
-        )
+        raise CacheLayoutError(f"{name} must be uint8 or float8_e4m3fn (the cache as bytes), got {cache.dtype}")
+    fmt = format_of(cache, kv_format)
     shape, stride = tuple(cache.shape), tuple(cache.stride())
-    if cache.dim() == 4 and shape[2] == 1 and shape[3] == TOKEN_BYTES:  # NHD
+    bpt = fmt.bytes_per_token
+    widths = (bpt,) if not fmt.inline else tuple(sorted({fmt.row_bytes, *fmt.row_pitches}))
+    shown = " or ".join(map(str, widths))
+    if cache.dim() == 4 and shape[2] == 1 and shape[3] in widths:  # NHD
         page, tok_stride, byte_stride = shape[1], stride[1], stride[3]
-    elif cache.dim() == 4 and shape[1] == 1 and shape[3] == TOKEN_BYTES:  # HND
+    elif cache.dim() == 4 and shape[1] == 1 and shape[3] in widths:  # HND
         page, tok_stride, byte_stride = shape[2], stride[2], stride[3]
     elif cache.dim() == 2:
-        if shape[1] == 0 or shape[1] % TOKEN_BYTES != 0:
-            raise CacheLayoutError(
-                f"{name} of shape {list(shape)}: a 2-D cache must be [num_blocks, P*{TOKEN_BYTES}] "
-                f"(the padding of a block belongs in its stride, not its size)"
-            )
-        page, tok_stride, byte_stride = shape[1] // TOKEN_BYTES, TOKEN_BYTES, stride[1]
+        pitch = bpt if not fmt.inline else fmt.row_pitches[0]
+        if shape[1] == 0 or shape[1] % pitch != 0:
+            raise CacheLayoutError(f"{name} of shape {list(shape)}: a 2-D {fmt.name} cache must be "
+                                   f"[num_blocks, P*{pitch}] (the padding of a block belongs in its stride, not its size)")
+        page, tok_stride, byte_stride = shape[1] // pitch, pitch, stride[1]
     else:
-        raise CacheLayoutError(
-            f"{name} of shape {list(shape)}: expected [num_blocks, P, 1, {TOKEN_BYTES}] (NHD), "
-            f"[num_blocks, 1, P, {TOKEN_BYTES}] (HND) or [num_blocks, P*{TOKEN_BYTES}]"
-        )
+        raise CacheLayoutError(f"{name} of shape {list(shape)}: expected [num_blocks, P, 1, {shown}] (NHD), "
+                               f"[num_blocks, 1, P, {shown}] (HND) or [num_blocks, P*{widths[0]}] ({fmt.name})")
     if page < 1 or shape[0] < 1:
         raise CacheLayoutError(f"{name} of shape {list(shape)} holds no token")
-    used = page * TOKEN_BYTES
-    if byte_stride != 1 or (page > 1 and tok_stride != TOKEN_BYTES):
-        raise CacheLayoutError(
-            f"{name} with strides {list(stride)}: the {used} bytes of a block must be contiguous "
-            f"(token stride {TOKEN_BYTES}, byte stride 1)"
-        )
+    row_stride = tok_stride if page > 1 else (fmt.row_pitches[0] if fmt.inline else bpt)
+    if byte_stride != 1:
+        raise CacheLayoutError(f"{name} with strides {list(stride)}: a token's bytes must be contiguous (byte stride 1)")
+    if not fmt.inline and page > 1 and tok_stride != bpt:
+        raise CacheLayoutError(f"{name} with strides {list(stride)}: the {page * bpt} bytes of a block must be "
+                               f"contiguous (token stride {bpt}, byte stride 1)")
+    if fmt.inline and (row_stride < fmt.row_bytes or row_stride % ALIGN != 0):
+        raise CacheLayoutError(f"{name} with strides {list(stride)}: the row stride {row_stride} must be a multiple "
+                               f"of {ALIGN} bytes and at least the {fmt.row_bytes} bytes of a {fmt.name} row")
+    used = block_used_bytes(fmt, page, row_stride)
     block_stride = stride[0] if shape[0] > 1 else max(stride[0], used)
     if shape[0] > 1 and block_stride < used:
-        raise CacheLayoutError(
-            f"{name}: block stride {block_stride} bytes is smaller than a block of P={page} tokens "
-            f"({used} bytes)"
-        )
-    if block_stride % BLOCK_STRIDE_ALIGN != 0:
-        raise CacheLayoutError(
-            f"{name}: block stride {block_stride} bytes is not a multiple of {BLOCK_STRIDE_ALIGN}"
-        )
-    if cache.data_ptr() % BLOCK_STRIDE_ALIGN != 0:
-        raise CacheLayoutError(f"{name}: data pointer is not {BLOCK_STRIDE_ALIGN}-byte aligned")
+        raise CacheLayoutError(f"{name}: block stride {block_stride} bytes is smaller than a block of P={page} tokens "
+                               f"({used} bytes)")
+    if block_stride % ALIGN != 0:
+        raise CacheLayoutError(f"{name}: block stride {block_stride} bytes is not a multiple of {ALIGN}")
+    if cache.data_ptr() % ALIGN != 0:
+        raise CacheLayoutError(f"{name}: data pointer is not {ALIGN}-byte aligned")
     flat = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
     blocks = torch.as_strided(flat, (shape[0], used), (block_stride, 1), flat.storage_offset())
-    return CacheView(blocks=blocks, page_block_size=page, block_stride=block_stride)
+    return CacheView(blocks=blocks, fmt=fmt, page_block_size=page, block_stride=block_stride, row_stride=row_stride)
 
 
-def quantize_latent(latent: torch.Tensor):
-    """Quantize ``[..., 512]`` latent rows as the model writes them.
+# ---------------------------------------------------------------------- writers (scale recipes)
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 to e4m3 (nearest even) as every GPU writer's satfinite conversion does:
+    clamped to +-448 first; NaN stays NaN."""
+    return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
-    Returns ``(nope_fp8 [..., 448] float8_e4m3fn, scale_bytes [..., 7] uint8, rope [..., 64] bf16)``.
-    Per token and 64-wide tile: scale = 2**ceil(log2(amax / 448)) with amax clamped below at 1e-4.
-    """
-    if latent.shape[-1] != D_QK:
-        raise ValueError(f"latent rows must be {D_QK} wide, got {latent.shape[-1]}")
+
+def _pow2_ceil(ratio: torch.Tensor) -> torch.Tensor:
+    """2**ceil(log2(ratio)) for positive float32 ``ratio``, exactly (from frexp)."""
+    mant, exp = torch.frexp(ratio)
+    return torch.ldexp(torch.ones_like(ratio), torch.where(mant == 0.5, exp - 1, exp))
+
+
+def _flashmla_pow2(groups: torch.Tensor):
+    """FlashMLA's reference: s = 2**ceil(log2(max(amax / 448, 1e-4))), codes e4m3(x / s)."""
+    amax = groups.abs().amax(dim=-1)
+    scale = _pow2_ceil(torch.clamp(amax / FP8_E4M3_MAX, min=1e-4))
+    return scale, _e4m3(groups / scale[..., None])
+
+
+def _vllm_pow2(groups: torch.Tensor):
+    """vLLM's DeepSeek-V4 compressor: s = 2**ceil(log2(max(amax, 1e-4) / 448))."""
+    amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
+    scale = _pow2_ceil(amax / FP8_E4M3_MAX)
+    return scale, _e4m3(groups / scale[..., None])
+
+
+def _vllm_fp32(groups: torch.Tensor):
+    """vLLM's ``fp8_ds_mla`` writer: s = max(amax / 448, FLT_MIN), codes satfinite(x / s)."""
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.clamp(amax / FP8_E4M3_MAX, min=FLT_MIN)
+    return scale, _e4m3(groups / scale[..., None])
+
+
+def _sglang_fp32(groups: torch.Tensor):
+    """SGLang's DSA writer: s = amax / 448 (no floor), codes e4m3(clamp(x * (1 / s))); an
+    all-zero group has s = 0 and NaN codes (0 * inf), as that writer leaves it."""
+    amax = groups.abs().amax(dim=-1)
+    scale = amax / FP8_E4M3_MAX
+    return scale, _e4m3(groups * (1.0 / scale)[..., None])
+
+
+def _b12x_glm_next(groups: torch.Tensor):
+    """b12x's GLM-5.3 (``GLM_NEXT``) writer: s = amax * fl32(1 / 448), or 1 for an all-zero
+    group; codes e4m3(x * (1 / s)) (its GPU reciprocal is ``rcp.approx``, within an ulp of this)."""
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32), 1.0)
+    return scale, _e4m3(groups * (1.0 / scale)[..., None])
+
+
+# per format: writer name -> recipe; the first is the packer's default
+WRITERS = {
+    "model1_fp8": {"vllm": _vllm_pow2, "flashmla": _flashmla_pow2},
+    "v32_fp8": {"flashmla": _flashmla_pow2, "vllm": _vllm_fp32, "sglang": _sglang_fp32},
+    # vLLM keeps GLM-5.3 in its 656-byte pool rows, rope zero: the same recipe, read as 528-byte rows
+    "glm_nope_fp8": {"vllm": _vllm_fp32, "b12x": _b12x_glm_next},
+}
+
+
+def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer: str | None = None):
+    """Quantize ``[..., d_qk]`` latent rows as ``writer`` (``WRITERS``) writes ``kv_format``.
+
+    Returns ``(nope codes [..., nope] float8_e4m3fn, scales [..., groups] float32, rope [..., rope] bf16)``;
+    the scales are the values the format stores (UE8M0 formats: powers of two)."""
+    fmt = get_format(kv_format)
+    recipes = WRITERS[fmt.name]
+    recipe = recipes[writer or next(iter(recipes))] if (writer or next(iter(recipes))) in recipes else None
+    if recipe is None:
+        raise ValueError(f"writer must be one of {sorted(recipes)} for {fmt.name}, got {writer!r}")
+    if latent.shape[-1] != fmt.d_qk:
+        raise ValueError(f"{fmt.name} latent rows must be {fmt.d_qk} wide, got {latent.shape[-1]}")
     x = latent.float()
-    nope = x[..., :D_NOPE].reshape(*x.shape[:-1], NUM_TILES, TILE)
-    amax = nope.abs().amax(dim=-1).clamp_min(1e-4)
-    exponent = torch.ceil(torch.log2(amax / FP8_E4M3_MAX))
-    scaled = (nope / torch.exp2(exponent)[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    nope_fp8 = scaled.to(torch.float8_e4m3fn).reshape(*x.shape[:-1], D_NOPE)
-    scale_bytes = (exponent + UE8M0_BIAS).to(torch.uint8)
-    rope = latent[..., D_NOPE:].to(torch.bfloat16)
-    return nope_fp8, scale_bytes, rope
+    groups = x[..., :fmt.nope_dims].reshape(*x.shape[:-1], fmt.num_scales, fmt.scale_group)
+    scale, codes = recipe(groups)
+    rope = latent[..., fmt.nope_dims:].to(torch.bfloat16)
+    return codes.reshape(*x.shape[:-1], fmt.nope_dims), scale, rope
 
 
-def pack_latent(latent: torch.Tensor, block_stride: int | None = None) -> torch.Tensor:
-    """Pack a latent ``[num_blocks, P, 512]`` into a DSV4 FP8 cache ``[num_blocks, P, 1, 584]`` (NHD).
+def _scale_record(fmt: KvFormat, scale: torch.Tensor) -> torch.Tensor:
+    """The stored scale bytes [..., scale_bytes] (uint8) of float32 scales [..., groups]."""
+    if fmt.scale_type == "ue8m0":
+        return (torch.log2(scale) + UE8M0_BIAS).round().to(torch.uint8)
+    return scale.contiguous().view(torch.uint8).reshape(*scale.shape[:-1], fmt.scale_bytes)
 
-    ``block_stride`` (bytes, a multiple of 16 and at least P*584) defaults to FlashMLA's
-    padding; the bytes of the padding are left 0. The result is a uint8 view of a
-    ``[num_blocks, block_stride]`` buffer on the latent's device.
-    """
-    if latent.dim() != 3 or latent.shape[-1] != D_QK:
-        raise ValueError(f"latent must be [num_blocks, P, {D_QK}], got {list(latent.shape)}")
+
+def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: str | None = None,
+                block_stride: int | None = None, row_stride: int | None = None, fill: int = 0) -> torch.Tensor:
+    """Pack a latent ``[num_blocks, P, d_qk]`` into a ``kv_format`` cache ``[num_blocks, P, 1, W]``
+    (NHD; W: the format's bytes per token, or the row stride of an inline format), as ``writer``
+    (``WRITERS``; default the first) writes it.
+
+    ``block_stride`` (bytes, a multiple of 16) defaults to ``default_block_stride``;
+    ``row_stride`` (inline formats) to the format's default pitch. Bytes that hold no data
+    (padding, a pad byte, the unused tail of a wide row) are ``fill``. The result is a uint8
+    view of a ``[num_blocks, block_stride]`` buffer on the latent's device."""
+    fmt = get_format(kv_format)
+    if latent.dim() != 3 or latent.shape[-1] != fmt.d_qk:
+        raise ValueError(f"latent must be [num_blocks, P, {fmt.d_qk}] for {fmt.name}, got {list(latent.shape)}")
     num_blocks, page, _ = latent.shape
-    used = page * TOKEN_BYTES
-    stride = default_block_stride(page) if block_stride is None else int(block_stride)
-    if stride < used or stride % BLOCK_STRIDE_ALIGN != 0:
-        raise ValueError(
-            f"block_stride {stride} must be >= P*{TOKEN_BYTES} = {used} and a multiple of {BLOCK_STRIDE_ALIGN}"
-        )
-    nope_fp8, scale_bytes, rope = quantize_latent(latent)
-    buf = torch.zeros(num_blocks, stride, dtype=torch.uint8, device=latent.device)
-    rows = buf[:, : page * ROW_BYTES].view(num_blocks, page, ROW_BYTES)
-    rows[..., :D_NOPE] = nope_fp8.view(torch.uint8)
-    rows[..., D_NOPE:] = rope.contiguous().view(torch.uint8).view(num_blocks, page, 2 * D_ROPE)
-    footer = buf[:, page * ROW_BYTES : used].view(num_blocks, page, SCALE_BYTES)
-    footer[..., :NUM_TILES] = scale_bytes
-    return torch.as_strided(buf, (num_blocks, page, 1, TOKEN_BYTES), (stride, TOKEN_BYTES, TOKEN_BYTES, 1))
+    pitch = fmt.bytes_per_token if not fmt.inline else (row_stride or fmt.row_pitches[0])
+    if fmt.inline and (pitch < fmt.row_bytes or pitch % ALIGN):
+        raise ValueError(f"row_stride {pitch} must be a multiple of {ALIGN} and at least {fmt.row_bytes}")
+    used = block_used_bytes(fmt, page, pitch)
+    stride = default_block_stride(fmt, page, pitch) if block_stride is None else int(block_stride)
+    if stride < used or stride % ALIGN != 0:
+        raise ValueError(f"block_stride {stride} must be >= {used} (P={page} tokens of {fmt.name}) and a multiple "
+                         f"of {ALIGN}")
+    codes, scale, rope = quantize_latent(latent, fmt.name, writer)
+    # a row's worth of storage past the last block: the view of a wide last row stays inside it
+    storage = torch.full((num_blocks * stride + pitch,), fill, dtype=torch.uint8, device=latent.device)
+    row_pitch = pitch if fmt.inline else fmt.row_bytes  # footer formats: rows packed, then the footer
+    rows = torch.as_strided(storage, (num_blocks, page, fmt.row_bytes), (stride, row_pitch, 1))
+    rows[..., :fmt.nope_dims] = codes.view(torch.uint8)
+    rows[..., fmt.rope_offset:] = rope.contiguous().view(torch.uint8).view(num_blocks, page, 2 * fmt.rope_dims)
+    record = _scale_record(fmt, scale)
+    if fmt.inline:
+        rows[..., fmt.scale_offset:fmt.scale_offset + fmt.scale_bytes] = record
+    else:
+        footer = torch.as_strided(storage, (num_blocks, page, fmt.scale_bytes), (stride, fmt.footer_bytes, 1),
+                                  page * fmt.row_bytes)
+        footer.copy_(record)
+    width = pitch if not fmt.inline else max(w for w in {fmt.row_bytes, *fmt.row_pitches} if w <= pitch)
+    return torch.as_strided(storage, (num_blocks, page, 1, width), (stride, pitch, pitch, 1))
 
 
-def _row_parts(data: torch.Tensor, scales: torch.Tensor):
-    """``data`` uint8 [..., 576], ``scales`` uint8 [..., 7] -> (the FP8 nope values as float32
-    [..., 7, 64], their scale factors 2**(byte - 127) [..., 7], the rope as float32 [..., 64])."""
-    nope = data[..., :D_NOPE].contiguous().view(torch.float8_e4m3fn).float()
-    nope = nope.reshape(*nope.shape[:-1], NUM_TILES, TILE)
-    factor = torch.exp2(scales.float() - UE8M0_BIAS)
-    rope = data[..., D_NOPE:].contiguous().view(torch.bfloat16).float()
-    return nope, factor, rope
-
-
-def _decode_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``data`` uint8 [..., 576], ``scales`` uint8 [..., 7] -> float32 [..., 512]."""
-    nope, factor, rope = _row_parts(data, scales)
-    nope = (nope * factor[..., None]).reshape(*nope.shape[:-2], D_NOPE)
-    return torch.cat([nope, rope], dim=-1)
-
-
-def unpack_cache(cache: torch.Tensor) -> torch.Tensor:
-    """Dequantize a whole cache view back to float32 ``[num_blocks, P, 512]``."""
-    view = read_cache_view(cache)
-    page = view.page_block_size
-    data = view.blocks[:, : page * ROW_BYTES].reshape(view.num_blocks, page, ROW_BYTES)
-    footer = view.blocks[:, page * ROW_BYTES :].reshape(view.num_blocks, page, SCALE_BYTES)
-    return _decode_rows(data, footer[..., :NUM_TILES])
-
-
+# ---------------------------------------------------------------------- readers
 def _gather_raw(view: CacheView, slots: torch.Tensor):
-    """The raw bytes (uint8 [n, 576]) and scale bytes (uint8 [n, 7]) of ``slots`` (flattened)."""
-    page = view.page_block_size
-    flat_slots = slots.reshape(-1).long()
-    block = (flat_slots // page)[:, None]
-    offset = (flat_slots % page)[:, None]
+    """The row bytes (uint8 [n, row_bytes]) and scale records (uint8 [n, scale_bytes]) of
+    ``slots`` (flattened, every one in ``[0, num_slots)``)."""
+    fmt, page = view.fmt, view.page_block_size
+    flat = slots.reshape(-1).long()
+    block = (flat // page)[:, None]
+    offset = (flat % page)[:, None]
     dev = view.blocks.device
-    data = view.blocks[block, offset * ROW_BYTES + torch.arange(ROW_BYTES, device=dev)]
-    scales = view.blocks[block, page * ROW_BYTES + offset * SCALE_BYTES + torch.arange(NUM_TILES, device=dev)]
-    return data, scales
+    row_start = offset * (view.row_stride if fmt.inline else fmt.row_bytes)
+    rows = view.blocks[block, row_start + torch.arange(fmt.row_bytes, device=dev)]
+    if fmt.inline:
+        records = rows[:, fmt.scale_offset:fmt.scale_offset + fmt.scale_bytes]
+    else:
+        records = view.blocks[block, page * fmt.row_bytes + offset * fmt.footer_bytes
+                              + torch.arange(fmt.scale_bytes, device=dev)]
+    return rows, records
 
 
-def gather_slots(view: CacheView, slots: torch.Tensor) -> torch.Tensor:
-    """Dequantize the rows of ``slots`` (int64, every one in ``[0, num_slots)``) to float32 ``[..., 512]``.
+def decode_scales(fmt: KvFormat, records: torch.Tensor) -> torch.Tensor:
+    """float32 scale factors [..., groups] of stored scale records [..., scale_bytes]: a UE8M0
+    byte b is 2**(b - 127) (byte 0 is 2**-127, not 0); an FP32 scale is read as it is."""
+    if fmt.scale_type == "ue8m0":
+        return torch.exp2(records.float() - UE8M0_BIAS)
+    return records.contiguous().view(torch.float32)
 
-    Reads only the selected rows, so it scales to caches far larger than the gathered set.
-    """
-    return _decode_rows(*_gather_raw(view, slots)).reshape(*slots.shape, D_QK)
+
+def _row_parts(fmt: KvFormat, rows: torch.Tensor, records: torch.Tensor):
+    """(nope values as float32 [..., groups, group], their scale factors [..., groups], rope
+    float32 [..., rope_dims]) of raw rows and scale records."""
+    nope = rows[..., :fmt.nope_dims].contiguous().view(torch.float8_e4m3fn).float()
+    nope = nope.reshape(*nope.shape[:-1], fmt.num_scales, fmt.scale_group)
+    rope = rows[..., fmt.rope_offset:fmt.row_bytes].contiguous().view(torch.bfloat16).float()
+    return nope, decode_scales(fmt, records), rope
 
 
 def gather_slot_parts(view: CacheView, slots: torch.Tensor):
-    """The rows of ``slots`` as stored: (FP8 nope values as float32 [..., 7, 64], their scale
-    factors [..., 7], rope float32 [..., 64]); ``gather_slots`` is their product and concat."""
-    nope, factor, rope = _row_parts(*_gather_raw(view, slots))
-    return (nope.reshape(*slots.shape, NUM_TILES, TILE), factor.reshape(*slots.shape, NUM_TILES),
+    """The rows of ``slots`` as stored: (nope values float32 [..., groups, group], their scale
+    factors [..., groups], rope float32 [..., rope_dims]); ``gather_slots`` is their product."""
+    nope, factor, rope = _row_parts(view.fmt, *_gather_raw(view, slots))
+    return (nope.reshape(*slots.shape, *nope.shape[1:]), factor.reshape(*slots.shape, factor.shape[-1]),
             rope.reshape(*slots.shape, rope.shape[-1]))
+
+
+def gather_slots(view: CacheView, slots: torch.Tensor) -> torch.Tensor:
+    """The dequantized latent (float32 ``[..., d_qk]``) of ``slots`` (int64, every one in
+    ``[0, num_slots)``). Reads only the selected rows: it scales to caches far larger than
+    the gathered set."""
+    nope, factor, rope = gather_slot_parts(view, slots)
+    nope = (nope * factor[..., None]).reshape(*slots.shape, view.fmt.nope_dims)
+    return torch.cat([nope, rope], dim=-1)
+
+
+def unpack_cache(cache: torch.Tensor, kv_format: str | None = None) -> torch.Tensor:
+    """Dequantize a whole cache view back to float32 ``[num_blocks, P, d_qk]``."""
+    view = read_cache_view(cache, kv_format)
+    slots = torch.arange(view.num_slots, device=view.blocks.device).view(view.num_blocks, view.page_block_size)
+    return gather_slots(view, slots)

@@ -11,33 +11,36 @@ from dataclasses import dataclass
 
 from ..arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
 from . import tuning
-from .layout import D_QK, D_V, SCALE_BYTES
+from .kv_format import DEFAULT_FORMAT, D_V, KvFormat, get_format
 from .smem import Region, SmemPlan
 
 PRECISIONS = ("bf16", "f16", "fp8", "mxf8")
 HEAD_GROUPS = (1, 2)  # 16-head groups one partial-kernel CTA can cover (PartialConfig.head_groups)
-# Shared-memory bytes per gathered row: the 576 data bytes padded to 592 (37 x 16) so that 8
-# consecutive rows start 20 banks apart: ldmatrix on the raw rows is then free of bank
-# conflicts; 576 would put rows 2 apart on the same banks.
-RAW_ROW_STRIDE = 592
 FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 4 for the rope dims)
-# "f16" path: one warp per 64 columns of the QK width and of the output (7 nope tiles, the rope)
-F16_WARPS = D_QK // 64
+# "f16" path: the softmax runs on 8 warps (the nope warps, and MODEL1's rope warp with them)
+F16_SOFTMAX_THREADS = 256
 F16_S_ROW = 40  # floats per head row of a warp's partial S: 32 entries + 8 (conflict-free STS.64 / LDS.128)
 F16_P_ROW_BYTES = 80  # bytes per head row of P in f16 or bf16: 32 entries + 8 (conflict-free ldmatrix)
+
+
+def precisions_of(fmt: KvFormat) -> tuple[str, ...]:
+    """The compute paths a format has: "mxf8" (the block-scaled MMA takes UE8M0 scale bytes)
+    only for UE8M0 scales; FP32 scales are applied after the MMA."""
+    return tuple(p for p in PRECISIONS if p != "mxf8" or fmt.scale_type == "ue8m0")
 
 
 @dataclass(frozen=True)
 class PartialConfig:
     """Code-generating parameters of the split-K partial kernel.
 
+    kv_format: the cache format (``kv_format.FORMATS``): its layout and widths are compiled in.
     precision: the compute path ("f16", "bf16", "fp8", "mxf8"; ``docs/design.md``).
     head_groups: 16-head m16 tiles one CTA covers (1 or 2); the gathered rows serve all of them.
     heads_per_group: rows of the MMA M tile (heads >= H are masked, never read).
     block_n: selected entries gathered and processed per step (one chunk).
-    warps_per_group: "bf16" / FP8 paths: warps per head group, each owning a 512 /
-        warps_per_group slice of the QK width and of the output ("f16": 8 warps, one per 64
-        columns, for every head of the CTA).
+    warps_per_group: "bf16" / FP8 paths: warps per head group, each owning a 1 /
+        warps_per_group slice of the QK width and of the output ("f16": a warp per 64-dim
+        nope tile and the rope warp, each for every head of the CTA).
     has_topk_length / has_extra_topk_length: whether the length tensors are read.
     final_output: write the bf16 output and natural-log lse directly (one split, no merge)
         instead of f32 partials.
@@ -46,6 +49,7 @@ class PartialConfig:
     two_ctas_per_sm: "f16" only: held to 128 registers, so that two CTAs share an SM.
     """
 
+    kv_format: str = DEFAULT_FORMAT
     has_topk_length: bool = False
     has_extra_topk_length: bool = False
     final_output: bool = False
@@ -57,6 +61,10 @@ class PartialConfig:
     warps_per_group: int = 4
     num_stages: int | None = None
     two_ctas_per_sm: bool = False
+
+    @property
+    def fmt(self) -> KvFormat:
+        return get_format(self.kv_format)
 
     @property
     def stages(self) -> int:
@@ -82,8 +90,8 @@ class PartialConfig:
 
     @property
     def num_warps(self) -> int:
-        if self.precision == "f16":
-            return F16_WARPS
+        if self.precision == "f16":  # a warp per 64-dim nope tile and one for the rope and the gather
+            return self.fmt.nope_tiles + 1
         return self.warps_per_group * self.head_groups
 
     @property
@@ -104,27 +112,44 @@ class PartialConfig:
 
     @property
     def stage_bytes(self) -> int:
-        """Raw bytes one gathered chunk occupies in shared memory: rows, then scales."""
-        return self.block_n * (RAW_ROW_STRIDE + SCALE_BYTES)
+        """Raw bytes one gathered chunk occupies in shared memory: rows (``raw_row_stride``
+        apart), then a footer format's scale records."""
+        return self.block_n * (self.fmt.raw_row_stride + self.fmt.footer_bytes)
+
+    @property
+    def q_cols(self) -> int:
+        """The tile paths' bf16 Q tile columns: d_qk rounded up to a 64-column swizzle atom (all
+        three formats' d_qk, 512 and 576, are multiples of 64)."""
+        return -(-self.fmt.d_qk // 64) * 64
 
     @property
     def q_region_bytes(self) -> int:
         """FP8 path: the bf16 Q tile, later every thread's ``FP8_Q_REGS`` Q operand registers."""
-        return max(self.heads_per_cta * D_QK * 2, self.num_threads * FP8_Q_REGS * 4)
+        return max(self.heads_per_cta * self.q_cols * 2, self.num_threads * FP8_Q_REGS * 4)
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        """"bf16" path: the dequantized tile [block_n, D_V] (the value's columns: V3.2's rope dims
+        are multiplied from the raw rows), where Q [heads, q_cols] is staged first."""
+        return max(self.block_n * D_V, self.heads_per_cta * self.q_cols) * 2
 
     def smem_plan(self) -> SmemPlan:
         """The partial kernel's shared memory, region by region, in allocation order: the
         compute path's own regions, then the gather's (raw row stages, the S exchange,
         validity masks, indices)."""
-        hb = self.heads_per_cta
+        hb, fmt = self.heads_per_cta, self.fmt
         if self.precision == "f16":
-            own = [Region("p_f16", hb * F16_P_ROW_BYTES, 128), Region("p_bf16", hb * F16_P_ROW_BYTES, 128),
-                   Region("corrections", hb * 4, 16), Region("gates", hb * 4, 16),
-                   Region("q_amax", hb * F16_WARPS * 4, 16)]
-            s_exchange = Region("s_exchange", F16_WARPS * hb * F16_S_ROW * 4, 128)
+            if fmt.scale_type == "ue8m0":  # P in f16 (the nope warps scale it) and in bf16 (the rope warp's PV)
+                own = [Region("p_f16", hb * F16_P_ROW_BYTES, 128), Region("p_bf16", hb * F16_P_ROW_BYTES, 128)]
+            else:  # P with each scale group's FP32 scales folded in, a row per group; the groups' running maxima
+                own = [Region("p_f16", fmt.num_scales * hb * F16_P_ROW_BYTES, 128),
+                       Region("scale_max", fmt.nope_tiles * 4, 16)]
+            own += [Region("corrections", hb * 4, 16), Region("gates", hb * 4, 16),
+                    Region("q_amax", hb * self.num_warps * 4, 16)]
+            s_exchange = Region("s_exchange", self.s_partials * hb * F16_S_ROW * 4, 128)
         else:
             if self.precision == "bf16":
-                own = [Region("kv_tile", self.block_n * D_QK * 2, 1024)]  # Q staged here first
+                own = [Region("kv_tile", self.kv_tile_bytes, 1024)]  # Q staged here first
             else:
                 own = [Region("q", self.q_region_bytes, 1024), Region("q_exponents", hb * 4, 16)]
             s_exchange = Region("s_exchange", self.num_warps * self.heads_per_group * self.block_n * 4, 16)
@@ -133,11 +158,20 @@ class PartialConfig:
             Region("masks", self.slot_buffers * 4, 16), Region("indices", self.block_n * self.slot_buffers * 4, 16),
         ])
 
+    @property
+    def s_partials(self) -> int:
+        """"f16": the warps whose partial S the softmax sums (the nope warps, and the rope warp
+        where the format has rope dims)."""
+        return self.fmt.nope_tiles + (1 if self.fmt.rope_dims else 0)
+
     def smem_bytes(self) -> int:
         return self.smem_plan().total_bytes
 
     def check(self) -> None:
         """Raise ValueError when this configuration cannot be generated."""
+        fmt = get_format(self.kv_format)
+        if self.precision not in precisions_of(fmt):
+            raise ValueError(f"precision {self.precision!r} does not read {fmt.name} caches (one of {precisions_of(fmt)})")
         if self.has_sink and not self.final_output:
             raise ValueError("has_sink needs final_output (the merge kernel applies the sink otherwise)")
         if self.precision not in PRECISIONS:
@@ -149,15 +183,14 @@ class PartialConfig:
                              f"(Q is staged in the {self.block_n}-row KV tile)")
         if self.block_n != 32:
             raise ValueError(f"block_n {self.block_n} must be 32 (one validity bit per lane of a warp)")
-        if D_QK % (self.warps_per_group * 64) != 0:
-            raise ValueError(f"warps_per_group {self.warps_per_group} must split {D_QK} into 64-wide slices")
-        if self.block_n * (D_QK // 8) % self.num_threads != 0:
-            raise ValueError("block_n * 64 must be a multiple of the thread count")
+        if self.warps_per_group != 4:
+            raise ValueError(f"warps_per_group {self.warps_per_group} must be 4 (a warp per 128 value columns)")
+        if self.two_ctas_per_sm and (self.precision != "f16" or self.num_threads != F16_SOFTMAX_THREADS):
+            raise ValueError("two_ctas_per_sm is for the 256-thread \"f16\" kernel (no other kernel has a "
+                             "128-register bound)")
         if self.precision == "bf16" and tuning.DEQUANT_VALUES != 16:
             raise ValueError(f"tuning.DEQUANT_VALUES is {tuning.DEQUANT_VALUES}: the \"bf16\" kernel's dequantize "
                              f"loads assume 16 e4m3 bytes, 16-byte aligned, per thread (partial_bf16.py)")
-        if self.two_ctas_per_sm and self.precision != "f16":
-            raise ValueError("two_ctas_per_sm is for the \"f16\" kernel (no other kernel has a 128-register bound)")
         if self.stages not in (2, 3):
             raise ValueError(f"num_stages {self.stages} must be 2 or 3 (the cp.async group order of the gather)")
         if self.smem_bytes() > SMEM_PER_CTA_MAX:
@@ -167,7 +200,8 @@ class PartialConfig:
     def name(self) -> str:
         """A name that holds every code-generating field (used for kernels and caches)."""
         return (
-            f"sparse_mla_partial_{self.precision}_g{self.head_groups}x{self.heads_per_group}_n{self.block_n}"
+            f"sparse_mla_partial_{self.kv_format}_{self.precision}_g{self.head_groups}x{self.heads_per_group}"
+            f"_n{self.block_n}"
             f"_w{self.warps_per_group}_s{self.stages}"
             f"_len{int(self.has_topk_length)}{int(self.has_extra_topk_length)}"
             f"_final{int(self.final_output)}_sink{int(self.has_sink)}_occ{self.min_ctas_per_sm}"
@@ -179,7 +213,7 @@ class MergeConfig:
     """Code-generating parameters of the combine kernel."""
 
     has_sink: bool = False
-    num_threads: int = 128  # each thread owns D_V / num_threads output dims
+    num_threads: int = 128  # each thread owns D_V / num_threads output dims (every format's D_V)
     # splits whose partial outputs a thread loads at once (``tuning.MERGE_BATCHES``)
     split_batch: int = tuning.MERGE_BATCHES[0]
 

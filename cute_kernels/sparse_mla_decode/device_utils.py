@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
 
-from .layout import LOG2_E
+from .kernel_args import LOG2_E
 
 LN_2 = math.log(2.0)
 

@@ -15,7 +15,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from .config import PartialConfig
 from .device_utils import LN_2, load_f32, sink_gate, store_f32
-from .layout import D_V
+from .kv_format import D_V
 
 
 def quad_allreduce(val, op):

@@ -10,15 +10,17 @@ reads the main cache, the rest the extra cache. A CTA walks the chunks of its sp
 - validity: an entry counts when it lies before the token's length (clamped to [0, topk]),
   is not -1 and is a slot inside the cache; a ballot over the 32 entries gives the chunk's
   mask (bit e: entry e is read);
-- rows: each counting entry's 576 data bytes (36 x 16-byte ``cp.async``) and its 8 scale
-  bytes land in a raw stage (``RAW_ROW_STRIDE`` bytes per row, then the scales), ``stages -
-  1`` chunks ahead. An entry that does not count is zero-filled by the same copies (src-size
-  0: nothing is read), which the kernels multiplying raw rows need (probability 0 times
-  stale bytes that decode as NaN is NaN).
+- rows: each counting entry's row (the format's ``row_bytes``: 576 for MODEL1, 36 x 16-byte
+  ``cp.async``) and, for a footer format, its scale record land in a raw stage (rows
+  ``raw_row_stride`` bytes apart, then the scale records), ``stages - 1`` chunks ahead. An
+  entry that does not count is zero-filled by the same copies (src-size 0: nothing is read),
+  which the kernels multiplying raw rows need (probability 0 times stale bytes that decode as
+  NaN is NaN).
 
 The row of slot s lives in page block s // page (the division by the host's multiplier,
-``cache_format.page_division_magic``), at ``block * block_stride + (s % page) * 576``; its
-scales in the block's footer at ``page * 576 + (s % page) * 8``.
+``cache_format.page_division_magic``), at ``block * block_stride + (s % page) * row_stride``
+(a footer format: ``row_bytes``, a compile-time constant); a footer format's scales sit in
+the block's footer at ``page * row_bytes + (s % page) * footer_bytes``.
 
 Two issuing forms: every thread of the CTA (``issue_rows``: a row's ``num_threads / 32``
 threads locate it once and copy every such-th piece), or one warp (``locate_rows`` then
@@ -40,9 +42,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .config import RAW_ROW_STRIDE, PartialConfig
+from .config import PartialConfig
 from .device_utils import cp_async_zfill, load_i32
-from .layout import ROW_BYTES, SCALE_BYTES
 
 
 class ChunkGather:
@@ -52,12 +53,14 @@ class ChunkGather:
 
     def __init__(self, cfg: PartialConfig, index_thread0: int = 0, index_chunks: int | None = None):
         self.cfg = cfg
+        self.fmt = cfg.fmt
+        self.row_pitch = cfg.fmt.raw_row_stride  # bytes between rows in a stage
         self.bn = cfg.block_n
         self.nthr = cfg.num_threads
         self.stages = cfg.stages
         self.slots = cfg.slot_buffers
         self.stage_bytes = cfg.stage_bytes
-        self.scale_off = cfg.block_n * RAW_ROW_STRIDE  # scales follow the rows in a stage
+        self.scale_off = cfg.block_n * self.row_pitch  # a footer format's scale records follow the rows
         self.index_thread0 = index_thread0
         self.index_chunks = cfg.stages if index_chunks is None else index_chunks
         assert self.index_chunks <= self.slots
@@ -84,12 +87,13 @@ class ChunkGather:
             tidx=tidx, n_main_chunks=n_main_chunks, raw_base=sRaw.iterator.toint(), sMask=sMask, sIdx=sIdx,
             sidx_base=sIdx.iterator.toint(),
             # per list: (index row address, topk, length limit, slots, page, its division magic,
-            # block stride, cache base address), as ``chunk_source`` returns them
+            # block stride, cache base address[, row stride]), as ``chunk_source`` returns them
             main_list=(p.main_idx.toint() + Int64(token) * p.main_idx_stride * 4, p.main_topk, m_limit,
-                       p.main_num_slots, p.main_page, p.main_page_magic, p.main_block_stride, p.main_cache.toint()),
+                       p.main_num_slots, p.main_page, p.main_page_magic, p.main_block_stride, p.main_cache.toint())
+            + ((p.main_row_stride,) if self.fmt.inline else ()),
             extra_list=(p.extra_idx.toint() + Int64(token) * p.extra_idx_stride * 4, p.extra_topk, e_limit,
                         p.extra_num_slots, p.extra_page, p.extra_page_magic, p.extra_block_stride,
-                        p.extra_cache.toint()),
+                        p.extra_cache.toint()) + ((p.extra_row_stride,) if self.fmt.inline else ()),
             g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
         )
 
@@ -150,13 +154,20 @@ class ChunkGather:
     def chunk_source(self, ctx: SimpleNamespace, c: Int32):
         """Where chunk ``c``'s entries live: (first list position, index row address, list
         length (topk), length limit, slots in the cache, page block size, its division magic,
-        block stride, cache base address)."""
+        block stride, cache base address, row stride (``row_bytes`` for a footer format))."""
         pos0 = c * self.bn
-        idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.main_list
-        if c >= ctx.n_main_chunks:
-            pos0 = (c - ctx.n_main_chunks) * self.bn
-            idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.extra_list
-        return pos0, idx_row, topk, limit, num_slots, page, magic, block_stride, base
+        if const_expr(self.fmt.inline):
+            idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride = ctx.main_list
+            if c >= ctx.n_main_chunks:
+                pos0 = (c - ctx.n_main_chunks) * self.bn
+                idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride = ctx.extra_list
+        else:
+            idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.main_list
+            if c >= ctx.n_main_chunks:
+                pos0 = (c - ctx.n_main_chunks) * self.bn
+                idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.extra_list
+            row_stride = self.fmt.row_bytes
+        return pos0, idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride
 
     @cute.jit
     def issue_indices(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
@@ -164,7 +175,7 @@ class ChunkGather:
         ``c`` each into ``sIdx[:, buf]`` (positions past topk are not read: they are outside
         the index row). The indices are checked when the rows are issued (``valid_slot``)."""
         e = ctx.tidx - self.index_thread0
-        pos0, idx_row, topk, _, _, _, _, _, _ = self.chunk_source(ctx, c)
+        pos0, idx_row, topk, _, _, _, _, _, _, _ = self.chunk_source(ctx, c)
         if e >= 0:
             if e < self.bn:
                 if pos0 + e < topk:
@@ -193,15 +204,19 @@ class ChunkGather:
                     slot = v
         return slot
 
-    @staticmethod
-    def row_location(slot: Int32, page: Int32, magic: Int64, block_stride: Int64, base: Int64):
-        """(row address, scales address) of cache slot ``slot`` (>= 0) in a paged cache at
-        ``base``: rows first in each page block, the scales in its footer. The block is
-        slot // page by the host's multiplier (``cache_format.page_division_magic``)."""
+    def row_location(self, slot: Int32, page: Int32, magic: Int64, block_stride: Int64, base: Int64, row_stride):
+        """(row address, scale record address) of cache slot ``slot`` (>= 0) in a paged cache
+        at ``base``; the scale record address is None for an inline format (the scales come with
+        the row). The block is slot // page by the host's multiplier
+        (``cache_format.page_division_magic``)."""
+        fmt = self.fmt
         blk = Int32((Int64(slot) * (magic & 0xFFFFFFFF)) >> (magic >> 32))
         off = slot - blk * page
         block_addr = base + Int64(blk) * block_stride
-        return block_addr + Int64(off) * ROW_BYTES, block_addr + Int64(page) * ROW_BYTES + Int64(off) * SCALE_BYTES
+        if fmt.inline:
+            return block_addr + Int64(off) * row_stride, None
+        return (block_addr + Int64(off) * fmt.row_bytes,
+                block_addr + Int64(page) * fmt.row_bytes + Int64(off) * fmt.footer_bytes)
 
     @cute.jit
     def issue_rows(self, ctx: SimpleNamespace, c: Int32, stage: Int32, buf: Int32):
@@ -212,8 +227,8 @@ class ChunkGather:
         16-byte piece: one warp-wide copy still covers 64 contiguous bytes of each of its rows."""
         tidx, sMask = ctx.tidx, ctx.sMask
         tpr = self.nthr // self.bn
-        pieces = ROW_BYTES // 16
-        pos0, _, _, limit, num_slots, page, magic, block_stride, base = self.chunk_source(ctx, c)
+        pieces = self.fmt.row_bytes // 16
+        pos0, _, _, limit, num_slots, page, magic, block_stride, base, row_stride = self.chunk_source(ctx, c)
         stage_base = ctx.raw_base + stage * self.stage_bytes
         e = tidx // tpr
         r = tidx % tpr
@@ -222,9 +237,9 @@ class ChunkGather:
             mask = cute.arch.vote_ballot_sync(self.valid_slot(ctx, tidx, buf, pos0, limit, num_slots) >= 0)
             if tidx == 0:
                 sMask[buf] = mask
-        row_addr, scale_addr = self.row_location(cutlass.max(slot, 0), page, magic, block_stride, base)
+        row_addr, scale_addr = self.row_location(cutlass.max(slot, 0), page, magic, block_stride, base, row_stride)
         nbytes = Int32(slot >= 0) * 16
-        dst = stage_base + e * RAW_ROW_STRIDE
+        dst = stage_base + e * self.row_pitch
         for k in cutlass.range_constexpr((pieces + tpr - 1) // tpr):
             piece = r + k * tpr
             if const_expr((k + 1) * tpr <= pieces):  # every thread has this piece
@@ -232,8 +247,9 @@ class ChunkGather:
             else:
                 if piece < pieces:
                     cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
-        if r == tpr - 1:  # the row's scales: by the thread with the fewest pieces
-            cp_async_zfill(stage_base + self.scale_off + e * SCALE_BYTES, scale_addr, SCALE_BYTES, nbytes // 2)
+        if const_expr(not self.fmt.inline):
+            if r == tpr - 1:  # the row's scale record: by the thread with the fewest pieces
+                self._copy_scales(stage_base + self.scale_off + e * self.fmt.footer_bytes, scale_addr, nbytes // 2)
 
     # ------------------------------------------------------------------ one-warp form
     @cute.jit
@@ -244,33 +260,47 @@ class ChunkGather:
         copies read nothing)."""
         tidx, sMask = ctx.tidx, ctx.sMask
         lane = tidx % 32
-        pos0, _, _, limit, num_slots, page, magic, block_stride, base = self.chunk_source(ctx, c)
+        pos0, _, _, limit, num_slots, page, magic, block_stride, base, row_stride = self.chunk_source(ctx, c)
         slot = self.valid_slot(ctx, lane, buf, pos0, limit, num_slots)
         mask = cute.arch.vote_ballot_sync(slot >= 0)
         if tidx == self.index_thread0:
             sMask[buf] = mask
-        row_addr, scale_addr = self.row_location(cutlass.max(slot, 0), page, magic, block_stride, base)
+        row_addr, scale_addr = self.row_location(cutlass.max(slot, 0), page, magic, block_stride, base, row_stride)
         return mask, row_addr, scale_addr
 
     def copy_rows(self, stage_base, located, lane, groups, scales: bool):
         """One warp: cp.async of the 8-entry groups ``groups`` of a located chunk
         (``locate_rows``) into the stage at ``stage_base``; ``scales``: also each lane's
-        entry's scales. Lane 4r + p copies pieces p, p + 4, .. of the group's entry r (each
-        warp-wide copy: 64 contiguous bytes of 8 rows)."""
+        entry's scale record (a footer format). Lane 4r + p copies pieces p, p + 4, .. of the
+        group's entry r (each warp-wide copy: 64 contiguous bytes of 8 rows)."""
         mask, row_addr, scale_addr = located
-        if scales:
-            cp_async_zfill(stage_base + self.scale_off + lane * SCALE_BYTES, scale_addr, SCALE_BYTES,
-                           ((mask >> lane) & 1) * 8)
+        if scales and not self.fmt.inline:
+            self._copy_scales(stage_base + self.scale_off + lane * self.fmt.footer_bytes, scale_addr,
+                              ((mask >> lane) & 1) * 8)
         addr_lo = Int32(row_addr & 0xFFFFFFFF)
         addr_hi = Int32(row_addr >> 32)
         r = lane // 4
         p = lane % 4
+        pieces = self.fmt.row_bytes // 16
         for j in groups:
             e = 8 * j + r
             src = (Int64(cute.arch.shuffle_sync(addr_hi, e)) << 32) | (
                 Int64(cute.arch.shuffle_sync(addr_lo, e)) & 0xFFFFFFFF)
             nbytes = ((mask >> e) & 1) * 16
-            dst = stage_base + e * RAW_ROW_STRIDE
-            for k in range(ROW_BYTES // 64):
+            dst = stage_base + e * self.row_pitch
+            for k in range(pieces // 4):
                 piece = 16 * (p + 4 * k)
                 cp_async_zfill(dst + piece, src + piece, 16, nbytes)
+            if pieces % 4:  # the row's last pieces, for the lanes that have one
+                self._copy_tail_piece(dst, src, p + 4 * (pieces // 4), pieces, nbytes)
+
+    @cute.jit
+    def _copy_tail_piece(self, dst, src, piece, pieces: int, nbytes):
+        if piece < pieces:
+            cp_async_zfill(dst + 16 * piece, src + 16 * piece, 16, nbytes)
+
+    def _copy_scales(self, dst, src, src_bytes):
+        """A footer format's scale record: one 8-byte cp.async of which ``src_bytes`` (8, or 0
+        for an entry that does not count: zero-filled) are read."""
+        assert self.fmt.footer_bytes == 8, "the footer copy is one 8-byte cp.async"
+        cp_async_zfill(dst, src, 8, src_bytes)

@@ -15,7 +15,10 @@ This module imports no CUTLASS at import time: the dispatch reads the schema on 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+LOG2_E = math.log2(math.e)  # the kernels' scores are in log2 units: the argument sm_scale_log2 = sm_scale * LOG2_E
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ def _list_args(which: str) -> tuple[Arg, ...]:
         Arg(f"{which}_page", "i32"),  # tokens per page block
         Arg(f"{which}_page_magic", "i64"),  # cache_format.page_division_magic(page)
         Arg(f"{which}_block_stride", "i64"),  # bytes between page blocks
+        Arg(f"{which}_row_stride", "i64"),  # bytes between a block's rows (inline-scale formats)
         Arg(f"{which}_num_slots", "i32"),  # slots in the cache: larger ones are never read
         Arg(f"{which}_idx", "ptr", "i32", 4),  # [T, topk] slots
         Arg(f"{which}_idx_stride", "i64"),  # elements between tokens' rows

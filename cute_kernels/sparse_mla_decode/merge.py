@@ -25,7 +25,7 @@ from cutlass.memory import SmemAllocator
 from .config import MergeConfig
 from .device_utils import LN_2, load_f32, sink_gate, store_f32
 from .kernel_args import MERGE_ARGS, KernelParams, fake_args, launcher_signature
-from .layout import D_V
+from .kv_format import D_V
 
 
 class MergeKernel:

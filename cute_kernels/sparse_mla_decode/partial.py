@@ -22,16 +22,18 @@ compiled kernel serves every num_tokens, num_heads, topk, extra_topk, page size 
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from .config import PartialConfig
 from .epilogue import Epilogue, quad_allreduce
 from .gather import ChunkGather
 from .kernel_args import PARTIAL_ARGS, KernelParams, fake_args, launcher_signature
-from .layout import D_QK
+from .warp_ops import ldsm_x4, mma_bf16, pack_bf16x2
 
 
 class PartialKernel:
@@ -46,6 +48,7 @@ class PartialKernel:
     def __init__(self, cfg: PartialConfig, index_chunks: int | None = None):
         cfg.check()
         self.cfg = cfg
+        self.fmt = cfg.fmt  # the cache format: its layout is compiled in
         self.hb = cfg.heads_per_cta  # heads per CTA (all groups)
         self.hg = cfg.heads_per_group  # heads per group: the MMA M tile
         self.groups = cfg.head_groups
@@ -86,44 +89,79 @@ class PartialKernel:
     __call__ = cute.jit(launcher_signature(PARTIAL_ARGS)(_launch))
 
     # ------------------------------------------------------------------ tile paths ("bf16", FP8)
-    def tile_layout(self, rows: int):
-        """A bf16 tile [rows, 512] in 8 x 64 swizzled atoms: conflict-free ldmatrix, both ways."""
+    @staticmethod
+    def tile_layout(rows: int, cols: int):
+        """A bf16 tile [rows, cols] in 8 x 64 swizzled atoms: conflict-free ldmatrix, both ways."""
         atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
-        return cute.tile_to_shape(atom, (rows, D_QK), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
     @staticmethod
     def bf16_tiled_mma():
         return cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1),
                                    permutation_mnk=(16, 16, 16))
 
-    def tiled_store(self, values: int):
-        """16-byte pieces of ``values`` bf16 each over a [rows, 512] tile: threads
-        (num_threads * values / 512, 512 / values), values (1, values)."""
+    def tiled_store(self, values: int, cols: int):
+        """16-byte pieces of ``values`` bf16 each over a [rows, cols] tile: the threads laid out
+        (num_threads / k, k), k the most of them that share a row evenly, values (1, values)."""
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        per_row = D_QK // values
+        per_row = math.gcd(cols // values, self.nthr)
         return cute.make_tiled_copy_tv(atom, cute.make_layout((self.nthr // per_row, per_row), stride=(per_row, 1)),
                                        cute.make_layout((1, values)))
 
     @cute.jit
     def stage_q(self, p: KernelParams, token: Int32, head0: Int32, sQ: cute.Tensor, tiled_store: cute.TiledCopy,
                 tidx: Int32):
-        """Start the cp.async of Q [heads_per_cta, 512] into the tile ``sQ`` (rows >= H are
-        zero-filled, never read); ``ChunkGather.start_pipeline`` commits and waits for it."""
+        """Start the cp.async of Q [heads_per_cta, d_qk] into the tile ``sQ`` [heads_per_cta,
+        q_cols] (rows >= H are zero-filled, never read; so are columns past d_qk);
+        ``ChunkGather.start_pipeline`` commits and waits for it."""
         thr_store = tiled_store.get_slice(tidx)
         tQsQ = thr_store.partition_D(sQ)
-        tQcQ = thr_store.partition_D(cute.make_identity_tensor((self.hb, D_QK)))
+        tQcQ = thr_store.partition_D(cute.make_identity_tensor((self.hb, self.cfg.q_cols)))
         for i in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-            row = tQcQ[(0, 0), i, 0][0]
-            col = tQcQ[(0, 0), i, 0][1]
-            if head0 + row < p.num_heads:
-                addr = p.q.toint() + (Int64(token) * p.q_stride_t + Int64(head0 + row) * p.q_stride_h + Int64(col)) * 2
-                src = cute.make_tensor(
-                    cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8)
-                )
-                cute.copy(cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128), src,
-                          tQsQ[None, i, 0])
-            else:
-                tQsQ[None, i, 0].fill(0.0)
+            for j in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
+                row = tQcQ[(0, 0), i, j][0]
+                col = tQcQ[(0, 0), i, j][1]
+                present = head0 + row < p.num_heads
+                if const_expr(self.cfg.q_cols > self.fmt.d_qk):  # the tile's padding columns
+                    present = present & (col < self.fmt.d_qk)
+                if present:
+                    addr = p.q.toint() + (Int64(token) * p.q_stride_t + Int64(head0 + row) * p.q_stride_h
+                                          + Int64(col)) * 2
+                    src = cute.make_tensor(
+                        cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8)
+                    )
+                    cute.copy(cute.make_copy_atom(cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128), src,
+                              tQsQ[None, i, j])
+                else:
+                    tQsQ[None, i, j].fill(0.0)
+
+    @cute.jit
+    def load_q_rope(self, sQ: cute.Tensor, wq, rows: list, inv_sq: list, qd) -> list:
+        """The A fragment (4 registers, bf16 pairs) of warp ``wq``'s 16 rope dims of Q (columns
+        nope_dims + 16 wq ..) for this thread's head rows ``rows`` of the tile ``sQ``, times
+        ``inv_sq[r]`` (a power of two: exact)."""
+        regs = []
+        for a in cutlass.range_constexpr(4):
+            r = a % 2
+            c = self.fmt.nope_dims + wq * 16 + 8 * (a // 2) + 2 * qd
+            regs.append(pack_bf16x2(sQ[rows[r], c].to(Float32) * inv_sq[r], sQ[rows[r], c + 1].to(Float32) * inv_sq[r]))
+        return regs
+
+    @cute.jit
+    def qk_rope(self, acc_S, q_rope: list, stage_base, wq, lane):
+        """acc_S += Q K^T over warp ``wq``'s 16 rope dims, K the raw bf16 rope bytes of the
+        stage at ``stage_base`` (``ldmatrix``), Q the A fragment ``q_rope`` (``load_q_rope``);
+        acc_S: S [16, 32] in m16n8 C order, n tile j at 4 j .. 4 j + 3."""
+        pitch = self.gather.row_pitch
+        row_addr = (stage_base + self.fmt.rope_offset + wq * 32 + ((lane // 16) * 8 + lane % 8) * pitch
+                    + ((lane // 8) % 2) * 16)
+        for jj in cutlass.range_constexpr(2):  # n tiles 2 jj, 2 jj + 1
+            kb = ldsm_x4(row_addr + 16 * jj * pitch, trans=False)
+            for h in cutlass.range_constexpr(2):
+                j = 2 * jj + h
+                d = mma_bf16([acc_S[4 * j + k] for k in range(4)], q_rope, kb[2 * h:2 * h + 2])
+                for k in cutlass.range_constexpr(4):
+                    acc_S[4 * j + k] = d[k]
 
     def quad_s_exchange_layout(self):
         """The tile paths' S exchange: per head group, each warp's partial S [16, 32] (f32)."""

@@ -1,25 +1,30 @@
 """Split-K partial kernel, "bf16" path (``PartialConfig.precision == "bf16"``): the gathered
-rows dequantized into a bf16 tile, bf16 MMAs.
+rows dequantized into a bf16 tile, bf16 MMAs. Every cache format.
 
-Per CTA: Q [heads, 512] is staged in the tile (cp.async), then held in registers as bf16 A
-fragments. Warp w of a head group owns a 128-wide slice of the QK width and of the output.
+Per CTA: Q [heads, d_qk] is staged in the tile (cp.async), then held in registers as bf16 A
+fragments. Warp w of a head group owns columns 128 w .. + 128 of the QK width's first 512
+and of the output; V3.2's rope dims (QK only) are 16 per warp, multiplied from the raw rows
+(``PartialKernel.qk_rope``, as the FP8 path does).
 
 Per chunk of 32 entries:
 1. dequantize: the landed raw stage becomes the bf16 tile [32, 512] (8 x 64 swizzled atoms,
-   conflict-free ``ldmatrix`` both ways): e4m3 nope bytes times 2**(scale - 127), the bf16
-   rope as stored; a thread converts 16 columns at a time (one 16-byte load, one scale). An
+   conflict-free ``ldmatrix`` both ways); a thread converts 16 columns at a time (one 16-byte
+   load). UE8M0 formats: e4m3 times 2**(b - 127) (exact in bf16), MODEL1's bf16 rope as
+   stored. FP32-scale formats: the e4m3 values alone (exact); their scales, one per 128 dims =
+   one per warp's slice, are applied after the MMA: to the warp's partial S and to P (P s,
+   rounded to bf16 once), so no product of a value and an FP32 scale is ever rounded. An
    entry that does not count arrived as zeros (``gather.py``) and becomes a row of 0.
 2. S_w = Q_w K_w^T (mma.sync m16n8k16 bf16 -> f32) over the warp's slice, the group's four
    partial S summed through shared memory (``softmax.exchange_s``), the online softmax in the
    quad form (``softmax.quad_online_softmax``).
 3. O_w += P V_w: P in bf16 straight from the S registers, V_w the tile read transposed.
 
-Precision: K, V and the scales are exact in bf16 (e4m3 has 3 mantissa bits); P is rounded to
-bf16 (8 bits); S, the softmax and the accumulators are f32.
+Precision: K, V and the scales are exact; P is rounded to bf16 (8 bits); S, the softmax and
+the accumulators are f32.
 
 Measured (sm_120a SASS; ``docs/tuning.md``): the main loop is 1117 instructions per thread
-and chunk (16 heads) against the "f16" path's 320 / 340 (nope / rope warps), which is why
-"f16" is the default.
+and chunk (MODEL1, 16 heads) against the "f16" path's 320 / 340 (nope / rope warps), which
+is why "f16" is the default.
 """
 
 from __future__ import annotations
@@ -28,14 +33,13 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int32
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, const_expr
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
-from .config import RAW_ROW_STRIDE
-from .device_utils import load_smem_u8
+from .device_utils import load_smem_u8, smem_scalar
 from .kernel_args import KernelParams
-from .layout import D_NOPE, D_QK, SCALE_BYTES, TILE
+from .kv_format import D_V, NOPE_TILE
 from .partial import PartialKernel
 from .softmax import exchange_s, quad_online_softmax
 from .tuning import DEQUANT_VALUES
@@ -48,11 +52,19 @@ class PartialBf16Kernel(PartialKernel):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.wpg = cfg.warps_per_group
-        self.wslice = D_QK // cfg.warps_per_group  # QK/output columns per warp
+        self.wslice = D_V // cfg.warps_per_group  # QK and output columns per warp
+        fmt = self.fmt
+        # the tile holds the value's D_V columns (MODEL1: nope and rope); V3.2's rope dims,
+        # QK only, come from the raw rows
+        self.rope_from_raw = fmt.d_qk > D_V
+        assert fmt.d_qk == D_V or (fmt.nope_dims == D_V and fmt.rope_dims == 16 * self.wpg)
+        # FP32 scales, applied after the MMA: one per warp's slice
+        self.fp32_scales = fmt.scale_type == "fp32"
+        assert not self.fp32_scales or fmt.scale_group == self.wslice
 
     def kernel_operands(self) -> tuple:
-        return (self.tile_layout(self.bn), self.tile_layout(self.hb), self.bf16_tiled_mma(), self.tiled_store(8),
-                self.tiled_store(DEQUANT_VALUES))
+        return (self.tile_layout(self.bn, D_V), self.tile_layout(self.hb, self.cfg.q_cols), self.bf16_tiled_mma(),
+                self.tiled_store(8, self.cfg.q_cols), self.tiled_store(DEQUANT_VALUES, D_V))
 
     @cute.kernel
     def kernel(self, p: KernelParams, kv_layout: cute.ComposedLayout, q_layout: cute.ComposedLayout,
@@ -68,8 +80,9 @@ class PartialBf16Kernel(PartialKernel):
 
         # ---- shared memory: the bf16 KV tile (Q is staged in it first), then the gather's
         alloc = self.smem_plan.allocator(SmemAllocator())
-        sKV = alloc.allocate("kv_tile", BFloat16, kv_layout)
-        sQ = cute.make_tensor(sKV.iterator, q_layout)
+        sTile = alloc.allocate("kv_tile", Uint8, cute.make_layout(self.cfg.kv_tile_bytes))
+        sKV = cute.make_tensor(cute.recast_ptr(sTile.iterator, dtype=BFloat16), kv_layout)
+        sQ = cute.make_tensor(cute.recast_ptr(sTile.iterator, dtype=BFloat16), q_layout)
         ctx = self.gather.context(alloc, self.quad_s_exchange_layout(), tidx, token, split, p)
         sMask, sS, c_begin, c_end = ctx.sMask, ctx.sS, ctx.c_begin, ctx.c_end
         # the epilogue's addresses, taken at the top level (see ChunkGather.context)
@@ -78,35 +91,36 @@ class PartialBf16Kernel(PartialKernel):
         self.stage_q(p, token, head0, sQ, tiled_store, tidx)
         self.gather.start_pipeline(ctx, c_begin, c_end)
 
-        # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of O
+        # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of the output
         thr_mma = tiled_mma.get_slice(lane)
-        sQ_w = cute.local_tile(sQ, (hg, self.wslice), (group, wq))
-        sK_w = cute.local_tile(sKV, (bn, self.wslice), (0, wq))
-        sVt = cute.composition(sKV, cute.make_layout((D_QK, bn), stride=(bn, 1)))
-        sVt_w = cute.local_tile(sVt, (self.wslice, bn), (wq, 0))
-
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_w))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, self.wslice)), Float32)
-        acc_O.fill(0.0)
-
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
         ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
         thr_ld_Q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(lane)
         thr_ld_K = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(lane)
         thr_ld_V = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(lane)
-        tSsQ = thr_ld_Q.partition_S(sQ_w)
-        tSrQ_v = thr_ld_Q.retile(tSrQ)
-        tSsK = thr_ld_K.partition_S(sK_w)
-        tSrK_v = thr_ld_K.retile(tSrK)
+        sQ_w = cute.local_tile(sQ, (hg, self.wslice), (group, wq))
+        sK_w = cute.local_tile(sKV, (bn, self.wslice), (0, wq))
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_w))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_w))
+        tSsQ, tSrQ_v = thr_ld_Q.partition_S(sQ_w), thr_ld_Q.retile(tSrQ)
+        tSsK, tSrK_v = thr_ld_K.partition_S(sK_w), thr_ld_K.retile(tSrK)
+        sVt = cute.composition(sKV, cute.make_layout((D_V, bn), stride=(bn, 1)))
+        sVt_w = cute.local_tile(sVt, (self.wslice, bn), (wq, 0))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_w))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, self.wslice)), Float32)
+        acc_O.fill(0.0)
         tOsVt = thr_ld_V.partition_S(sVt_w)
         tOrVt_v = thr_ld_V.retile(tOrVt)
 
-        # Q stays in registers for the whole kernel.
+        # Q stays in registers for the whole kernel (V3.2: its rope dims as 4 more registers).
         for k in cutlass.range_constexpr(cute.size(tSsQ, mode=[2])):
             cute.copy(ldsm, tSsQ[None, None, k], tSrQ_v[None, None, k])
+        q_rope = [Int32(0)] * 4
+        if const_expr(self.rope_from_raw):
+            q_rope = self.load_q_rope(sQ, wq, [group * hg + lane // 4, group * hg + lane // 4 + 8],
+                                      [Float32(1.0), Float32(1.0)], lane % 4)
         cute.arch.sync_threads()  # the KV tile is reused from here on
+        sf = cute.make_rmem_tensor(8, Float32)  # FP32: this warp's scale of the thread's entries 8 j + 2 q + i at 2 j + i
 
         # S exchange views and the (row, column) of each accumulator element
         tSsS = [thr_mma.partition_C(sS[None, None, w, group]) for w in range(self.wpg)]
@@ -119,7 +133,7 @@ class PartialBf16Kernel(PartialKernel):
         # ---- dequantization partition of the KV tile (thread owns one 16-column piece)
         thr_deq = tiled_dequant.get_slice(tidx)
         ctx.tXsKV = thr_deq.partition_D(sKV)
-        ctx.tXcKV = thr_deq.partition_D(cute.make_identity_tensor((bn, D_QK)))
+        ctx.tXcKV = thr_deq.partition_D(cute.make_identity_tensor((bn, D_V)))
 
         # ---- main loop over the chunks of this split
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
@@ -130,12 +144,19 @@ class PartialBf16Kernel(PartialKernel):
             self._dequantize(ctx, stage)
             cute.arch.sync_threads()
 
-            # S_w = Q_w K_w^T over this warp's slice of the QK width
+            # S_w = Q_w K_w^T over this warp's slice of the QK width (FP32: times each entry's
+            # scale of the slice), plus its rope dims from the raw rows (V3.2)
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hg, bn)), Float32)
             acc_S.fill(0.0)
             for k in cutlass.range_constexpr(cute.size(tSsK, mode=[2])):
                 cute.copy(ldsm, tSsK[None, None, k], tSrK_v[None, None, k])
                 cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+            stage_base = ctx.raw_base + stage * self.gather.stage_bytes
+            if const_expr(self.fp32_scales):
+                self._load_scales(sf, stage_base, wq, lane % 4)
+                self._scale_columns(acc_S, sf)
+            if const_expr(self.rope_from_raw):
+                self.qk_rope(acc_S, q_rope, stage_base, wq, lane)
             exchange_s(acc_S, tSsS, wq, group, self.wpg, self.groups)
             correction = quad_online_softmax(acc_S, tScS, sMask[buf], [sm_scale_log2, sm_scale_log2], row_max,
                                              row_sum)
@@ -144,7 +165,9 @@ class PartialBf16Kernel(PartialKernel):
                     idx = 4 * (k // 2) + 2 * r + k % 2
                     acc_O[idx] = acc_O[idx] * correction[r]
 
-            # O_w += P V_w
+            # O_w += P V_w (FP32: P times each entry's scale of the slice, then rounded once)
+            if const_expr(self.fp32_scales):
+                self._scale_columns(acc_S, sf)
             rP = cute.make_fragment_like(acc_S, BFloat16)
             rP.store(acc_S.load().to(BFloat16))
             tOrP = self._acc_as_a_operand(rP)
@@ -167,32 +190,70 @@ class PartialBf16Kernel(PartialKernel):
                                     wq * self.wslice + 8 * n + 2 * qd, *out_ctx)
 
     @cute.jit
+    def _load_scales(self, sf, stage_base, wq, qd):
+        """FP32 scales: this warp's slice's scale of the thread's S columns (entries 8 j + 2 q + i
+        at 2 j + i) from the raw rows of the stage."""
+        for j in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(2):
+                sf[2 * j + i] = smem_scalar(Float32, stage_base + (8 * j + 2 * qd + i) * self.gather.row_pitch
+                                            + self.fmt.scale_offset + 4 * wq)[0]
+
+    @cute.jit
+    def _scale_columns(self, acc_S, sf):
+        """Each element of S [16, 32] (m16n8 C order: n tile j, element c at 4 j + c, column
+        8 j + 2 q + c % 2) times its column's (entry's) scale."""
+        for j in cutlass.range_constexpr(4):
+            for c in cutlass.range_constexpr(4):
+                acc_S[4 * j + c] = acc_S[4 * j + c] * sf[2 * j + c % 2]
+
+    @cute.jit
     def _dequantize(self, ctx, stage: Int32):
-        """Dequantize a landed raw stage into the bf16 KV tile. An invalid entry's row and
-        scales arrived as zeros (``ChunkGather.issue_rows``), so it dequantizes to a row of 0
-        with no test."""
+        """Dequantize a landed raw stage into the bf16 KV tile [32, 512] (the value's columns).
+        An invalid entry's row and scales arrived as zeros (``ChunkGather.issue_rows``), so it
+        dequantizes to a row of 0 with no test."""
+        fmt = self.fmt
         tXsKV, tXcKV = ctx.tXsKV, ctx.tXcKV
         stage_base = ctx.raw_base + stage * self.gather.stage_bytes
-        scale_off = self.gather.scale_off
         for i in cutlass.range_constexpr(cute.size(tXsKV, mode=[1])):
-            row = tXcKV[(0, 0), i, 0][0]
-            col = tXcKV[(0, 0), i, 0][1]
-            dst = tXsKV[None, i, 0]
-            if col < D_NOPE:
-                f8 = cute.make_tensor(
-                    cute.make_ptr(Float8E4M3FN, stage_base + row * RAW_ROW_STRIDE + col, cute.AddressSpace.smem,
-                                  assumed_align=16),
-                    cute.make_layout(DEQUANT_VALUES),
-                )
-                sb = load_smem_u8(stage_base + scale_off + row * SCALE_BYTES + col // TILE)
-                dst.store((f8.load().to(Float32) * ue8m0_scale(sb)).to(BFloat16))
-            else:
-                rope = cute.make_tensor(
-                    cute.make_ptr(BFloat16, stage_base + row * RAW_ROW_STRIDE + D_NOPE + (col - D_NOPE) * 2,
-                                  cute.AddressSpace.smem, assumed_align=16),
-                    cute.make_layout(DEQUANT_VALUES),
-                )
-                dst.store(rope.load())
+            for j in cutlass.range_constexpr(cute.size(tXsKV, mode=[2])):
+                row = tXcKV[(0, 0), i, j][0]
+                col = tXcKV[(0, 0), i, j][1]
+                dst = tXsKV[None, i, j]
+                if const_expr(fmt.nope_dims == D_V):
+                    self._dequantize_nope(dst, stage_base, row, col)
+                else:
+                    if col < fmt.nope_dims:
+                        self._dequantize_nope(dst, stage_base, row, col)
+                    else:
+                        self._copy_rope(dst, stage_base, row, col)
+
+    @cute.jit
+    def _dequantize_nope(self, dst, stage_base, row, col):
+        """DEQUANT_VALUES e4m3 values of ``row`` from column ``col`` to bf16: UE8M0 times their
+        scale (exact), FP32 alone (the scale comes after the MMA)."""
+        fmt = self.fmt
+        f8 = cute.make_tensor(
+            cute.make_ptr(Float8E4M3FN, stage_base + row * self.gather.row_pitch + col, cute.AddressSpace.smem,
+                          assumed_align=16),
+            cute.make_layout(DEQUANT_VALUES),
+        )
+        if const_expr(self.fp32_scales):
+            dst.store(f8.load().to(Float32).to(BFloat16))
+        else:
+            factor = ue8m0_scale(load_smem_u8(stage_base + self.gather.scale_off + row * fmt.footer_bytes
+                                              + col // NOPE_TILE))
+            dst.store((f8.load().to(Float32) * factor).to(BFloat16))
+
+    @cute.jit
+    def _copy_rope(self, dst, stage_base, row, col):
+        """DEQUANT_VALUES bf16 rope values of ``row`` from (value) column ``col``, as stored."""
+        fmt = self.fmt
+        rope = cute.make_tensor(
+            cute.make_ptr(BFloat16, stage_base + row * self.gather.row_pitch + fmt.rope_offset
+                          + (col - fmt.nope_dims) * 2, cute.AddressSpace.smem, assumed_align=16),
+            cute.make_layout(DEQUANT_VALUES),
+        )
+        dst.store(rope.load())
 
     @staticmethod
     def _acc_as_a_operand(rP: cute.Tensor) -> cute.Tensor:

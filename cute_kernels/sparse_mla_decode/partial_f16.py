@@ -3,36 +3,44 @@ column-sliced warps, e4m3 -> f16 in registers, the scales on S and P, the softma
 over the CTA.
 
 Work split, gather (``gather.py``) and outputs (``epilogue.py``) as every partial kernel. The
-CTA covers 16 or 32 heads (``head_groups`` m16 tiles) with 8 warps, and warp w owns 64
-columns of the QK width and of the output FOR EVERY HEAD of the CTA: nope tile w (w < 7, one
-UE8M0 scale per entry) or the 64 rope dims (w = 7, the "rope warp"). So each gathered byte
-becomes an MMA operand in exactly one warp, once for QK and once for PV, and a 32-head CTA
-multiplies each operand register into two m16 tiles. Nothing is dequantized into shared
-memory.
+CTA covers 16 or 32 heads (``head_groups`` m16 tiles) with a warp per 64-dim nope tile of
+the format (``kv_format.KvFormat.nope_tiles``: 7 for MODEL1, 8 for the 512-dim formats) and
+one more, the "rope warp"; warp w owns 64 columns of the QK width and of the output FOR EVERY
+HEAD of the CTA: nope tile w, or the 64 rope dims (where the format has them). So each
+gathered byte becomes an MMA operand in exactly one warp, once for QK and once for PV, and a
+32-head CTA multiplies each operand register into two m16 tiles. Nothing is dequantized into
+shared memory. The rope warp also issues the main loop's gather; it computes the rope dims'
+QK where the format has rope dims, and their PV where V holds them (MODEL1).
 
 Per CTA (once): Q's nope dims of head h are scaled by 2**(14 - E_h), E_h the exponent of the
 head's largest |q| (so |q| < 2**15 fits f16 exactly: f16 has more mantissa than bf16) and
 held in registers as f16 A fragments; the rope warp keeps Q's rope dims as bf16.
 
 Per chunk of 32 entries:
-1. QK, warp w < 7: per 8-entry n tile one ``ldmatrix.x4`` of the raw rows (lane 8i + r: row
+1. QK, nope warp w: per 8-entry n tile one ``ldmatrix.x4`` of the raw rows (lane 8i + r: row
    r, bytes 16i..16i+15 of the tile) gives each thread bytes 4q..4q+3 of each 16-column
    group; ``cvt.rn.f16x2.e4m3x2`` turns them into the f16 B fragment of k order {2q, 2q+1,
    8+2q, 9+2q} (Q's A fragments are loaded in the same column order), 4 f16 MMAs per m16
-   tile, then times the entry's 2**(b - 127). Warp 7: bf16 MMAs on the raw bf16 rope bytes.
+   tile, then times the entry's scale (2**(b - 127), or the FP32 value). The rope warp: bf16
+   MMAs on the raw bf16 rope bytes.
    The n tiles go two or four at a time (``tuning.F16_QK_TILES_AT_ONCE``,
    ``F16_ROPE_QK_TILES_AT_ONCE``) so that chains of dependent MMAs interleave. Each warp
    writes its partial S [heads, 32] (f32) to shared memory.
-2. Softmax, all 256 threads (``softmax.SpreadSoftmax``): the 8 partials summed (nope sum
-   times 2**(E_h - 14), plus rope, times sm_scale log2(e)), P written in f16 and bf16.
-3. PV, warp w < 7: P' = P * 2**(b - R_w) (f16, ``mul.rn.f16x2`` on the ``ldmatrix``-loaded P
-   fragments), R_w the running maximum of tile w's scale byte over the split's valid entries
-   so far, so P' <= 1; the value fragments are the raw rows by ``ldmatrix.x4.trans`` (rows
-   2q, 2q+1 of each 8-entry group, two adjacent columns) with one byte permute into (row 2q,
-   row 2q+1) pairs per column: even and odd columns of each 16-column group are two MMAs.
-   The accumulator is in units of 2**(R_w - 127). The accumulators are rescaled (a loop of
-   0 or 1 pass) only when a head's max or R_w moved. Warp 7: P in bf16 times the rope rows.
-Gather: the first two chunks' rows, on every call's critical path, are copied by all 256
+2. Softmax, the first 256 threads (``softmax.SpreadSoftmax``: MODEL1's 7 nope warps and the
+   rope warp, or the 8 nope warps, the rope warp keeping only its barriers): the partials
+   summed (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)); P written in
+   f16 and bf16 (UE8M0), or per scale group g in f16 as P s_g / R_g (FP32 scales: the scale
+   applied in f32, P rounded once).
+3. PV, nope warp w: P' = P * s / R_w <= 1 in f16, R_w the running maximum of tile w's scale
+   over the split's valid entries so far: UE8M0, P times 2**(b - R_w) (``mul.rn.f16x2`` on
+   the ``ldmatrix``-loaded P fragments: exact); FP32, the group's P row as the softmax
+   folded it. The value fragments are the raw rows by ``ldmatrix.x4.trans`` (rows 2q, 2q+1
+   of each 8-entry group, two adjacent columns) with one byte permute into (row 2q, row
+   2q+1) pairs per column: even and odd columns of each 16-column group are two MMAs. The
+   accumulator is in units of R_w's scale. The accumulators are rescaled (a loop of 0 or 1
+   pass) only when a head's max or R_w moved. The rope warp (MODEL1): P in bf16 times the
+   rope rows.
+Gather: the first two chunks' rows, on every call's critical path, are copied by all the
 threads; in the main loop the rope warp alone issues the next chunks' indices, masks, rows
 and scales (``ChunkGather.locate_rows`` / ``copy_rows``): ``tuning.EARLY_ROW_GROUPS`` of its
 4 groups of 8 rows right after the chunk-head barrier, the rest after the softmax, and a
@@ -41,18 +49,19 @@ one chunk further ahead. Three CTA barriers per chunk (four when a max moved): t
 landed (and the previous PV is done), the partial S written, P written.
 
 Precision: K, V and the scales are exact (every e4m3 value is an f16 value; the scales are
-applied in f32 to S and as powers of two to P); Q is exact unless a component is below
-2**-24 of its head's largest (f16 subnormal); P is rounded to f16 (11 bits). Limit: an entry
-whose scale byte in a tile is more than 24 below the largest of that tile among the split's
-valid entries has P' below f16's smallest subnormal and counts as 0 in that tile's output
-columns (a value scale 2**24 times smaller than its neighbours'; DSV4's per-token scales of
-normalized latents span a few binades).
+applied in f32 to S, and to P as powers of two (UE8M0) or in f32 before P's one rounding
+(FP32)); Q is exact unless a component is below 2**-24 of its head's largest (f16
+subnormal); P is rounded to f16 (11 bits). Limit: an entry whose scale in a tile is more
+than 2**24 below the largest of that tile among the split's valid entries has P' below f16's
+smallest subnormal and counts as 0 in that tile's output columns (per-token scales of
+normalized latents span a few binades). FP32 scales below 2**-126 (latents below about
+2**-117) count as 2**-126 in R.
 
 The two roles run in two separate code paths (one branch on the warp index, around the whole
 loop): a per-chunk branch would have ptxas predicate both sides into every warp's stream.
 
 Measured (H200 and sm_120a SASS; ``docs/tuning.md`` has each decision's numbers):
-- Main loop per chunk and thread, sm_120a, 16 heads, a chunk without the rescale pass:
+- Main loop per chunk and thread, MODEL1, sm_120a, 16 heads, a chunk without the rescale pass:
   held to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
   registers, sm_120's kernel): 320 and 340; 32 heads: 459 and 460. The nope warps' 32 HMMA
   are 10% of their instructions: the loop is latency-bound (ncu at 64 x 128 x 1024: issue
@@ -76,22 +85,20 @@ from cutlass import Float32, Int32, Int64, Uint8, const_expr
 from cutlass.memory import SmemAllocator
 
 from . import tuning
-from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_WARPS, RAW_ROW_STRIDE
+from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_SOFTMAX_THREADS
 from .device_utils import load_smem_u8, smem_scalar as _smem_scalar, smem_vec as _smem_vec
 from .kernel_args import KernelParams
-from .layout import D_NOPE, NUM_TILES, SCALE_BYTES
+from .kv_format import NOPE_TILE as UNIT
 from .epilogue import quad_allreduce
 from .partial import PartialKernel
 from .softmax import SpreadSoftmax
 from .warp_ops import (
-    e4m3x4_to_f16x2, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_f16x2, pow2_f32, pow2_f32_bits,
-    ue8m0_scale, warp_max_u32,
+    e4m3x4_to_f16x2, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_f16x2, pow2_f32,
+    pow2_f32_bits, rcp_approx, ue8m0_scale, warp_max_u32,
 )
 
-UNIT = 64  # columns per warp: one nope scale tile, or the rope dims
-ROPE_WARP = NUM_TILES  # warp 7
 Q_F16_EXP = 14  # Q's nope dims times 2**(14 - E): the head's largest lands in [2**14, 2**15)
-ROPE_BYTE0 = D_NOPE  # the rope dims' first byte in a row (bf16 from there)
+FLT_MIN_BITS = 0x00800000  # FP32 scales: R starts at (and never falls below) 2**-126, so 1 / R is finite
 # prmt selector turning ldmatrix.trans bytes (row 2q: c, c+1; row 2q+1: c, c+1) into
 # (row 2q, row 2q+1) pairs of column c, then of column c + 1
 PAIR_COLUMNS = 0x3120
@@ -100,9 +107,19 @@ PAIR_COLUMNS = 0x3120
 class PartialF16Kernel(PartialKernel):
     """The "f16"-path partial kernel for one ``PartialConfig``."""
 
-    INDEX_THREAD0 = ROPE_WARP * 32  # the rope warp issues the indices with its gather
-
     def __init__(self, cfg):
+        fmt = cfg.fmt
+        # warps 0 .. nope_tiles - 1: a nope tile each; the next, the "rope warp": the rope dims
+        # (where the format has them) and the main loop's gather, with its indices
+        self.rope_warp = fmt.nope_tiles
+        self.INDEX_THREAD0 = self.rope_warp * 32
+        # MODEL1: 7 nope warps and the rope warp share the softmax; formats with 8 nope
+        # warps: they alone, and the rope warp only keeps the softmax's barriers
+        self.rope_in_softmax = 32 * (fmt.nope_tiles + 1) == F16_SOFTMAX_THREADS
+        assert self.rope_in_softmax or 32 * fmt.nope_tiles == F16_SOFTMAX_THREADS
+        assert fmt.rope_dims in (0, UNIT) and (fmt.rope_dims > 0 or not fmt.rope_in_v)
+        assert not self.rope_in_softmax or (fmt.rope_in_v and fmt.scale_type == "ue8m0")
+        self.fp32_scales = fmt.scale_type == "fp32"
         # where the rope warp issues the indices of a later chunk: with the late rows, stages
         # + 1 chunks ahead (one cp.async group per chunk), or after the chunk-head barrier,
         # stages ahead (their own group); with stages + 1 buffers a late issue in chunk c
@@ -126,14 +143,22 @@ class PartialF16Kernel(PartialKernel):
         qd = lane % 4
         head0 = head_block * hb
 
+        fmt = self.fmt
         alloc = self.smem_plan.allocator(SmemAllocator())
-        sP16 = alloc.allocate("p_f16", Uint8, cute.make_layout(hb * F16_P_ROW_BYTES))
-        sPbf = alloc.allocate("p_bf16", Uint8, cute.make_layout(hb * F16_P_ROW_BYTES))
+        if const_expr(self.fp32_scales):  # P per scale group (``SpreadSoftmax``), the groups' R
+            sP16 = alloc.allocate("p_f16", Uint8, cute.make_layout(fmt.num_scales * hb * F16_P_ROW_BYTES))
+            sPbf = sP16
+            sRmax = alloc.allocate("scale_max", Float32, cute.make_layout(fmt.nope_tiles))
+        else:
+            sP16 = alloc.allocate("p_f16", Uint8, cute.make_layout(hb * F16_P_ROW_BYTES))
+            sPbf = alloc.allocate("p_bf16", Uint8, cute.make_layout(hb * F16_P_ROW_BYTES))
+            sRmax = sP16
         sCorr = alloc.allocate("corrections", Float32, cute.make_layout(hb))
         sGate = alloc.allocate("gates", Float32, cute.make_layout(hb))
-        sAmax = alloc.allocate("q_amax", Int32, cute.make_layout((hb, F16_WARPS), stride=(1, hb)))
+        sAmax = alloc.allocate("q_amax", Int32, cute.make_layout((hb, self.nthr // 32), stride=(1, hb)))
         # each warp's partial S for all heads of the CTA: [warp][head][F16_S_ROW] f32
-        ctx = self.gather.context(alloc, cute.make_layout(F16_WARPS * hb * F16_S_ROW), tidx, token, split, p)
+        ctx = self.gather.context(alloc, cute.make_layout(self.cfg.s_partials * hb * F16_S_ROW), tidx, token, split,
+                                  p)
         c_begin, c_end = ctx.c_begin, ctx.c_end
         # addresses taken at the top level (see ChunkGather.context)
         out = SimpleNamespace(o_part=p.o_part.toint(), out=p.out.toint(), out_stride_t=p.out_stride_t,
@@ -142,7 +167,8 @@ class PartialF16Kernel(PartialKernel):
                               attn_sink=p.attn_sink.toint(), num_heads=p.num_heads, num_splits=p.num_splits,
                               token=token, split=split, head0=head0)
         bases = SimpleNamespace(p16=sP16.iterator.toint(), pbf=sPbf.iterator.toint(), s=ctx.sS.iterator.toint(),
-                                corr=sCorr.iterator.toint(), gate=sGate.iterator.toint())
+                                corr=sCorr.iterator.toint(), gate=sGate.iterator.toint(),
+                                scale_max=sRmax.iterator.toint())
 
         # ---- Q: every warp loads its 64 columns as bf16 pairs; pair A / B of (m tile, row
         # half r, k16 step i) are the columns of A registers a0/a1 and a2/a3: nope warps
@@ -151,9 +177,11 @@ class PartialF16Kernel(PartialKernel):
         qraw = cute.make_rmem_tensor(mt * 16, Int32)  # index ((m * 4 + i) * 2 + r) * 2 + pair
         off_a = 4 * qd
         off_b = 4 * qd + 2
-        if warp_id == ROPE_WARP:
+        if warp_id == self.rope_warp:
             off_a = 2 * qd
             off_b = 2 * qd + 8
+        # the warps with Q columns: the nope warps, and the rope warp where there are rope dims
+        q_warps = fmt.nope_tiles + (1 if fmt.rope_dims else 0)
         for m in cutlass.range_constexpr(mt):
             for r in cutlass.range_constexpr(2):
                 head = head0 + 16 * m + g + 8 * r
@@ -162,7 +190,10 @@ class PartialF16Kernel(PartialKernel):
                     for pair in cutlass.range_constexpr(2):
                         col = 16 * i + (off_a if pair == 0 else off_b)
                         v = Int32(0)
-                        if head < p.num_heads:
+                        present = head < p.num_heads
+                        if const_expr(q_warps < self.nthr // 32):
+                            present = present & (warp_id < q_warps)
+                        if present:
                             v = cute.make_tensor(cute.make_ptr(Int32, row + Int64(col) * 2, cute.AddressSpace.gmem,
                                                                assumed_align=4), cute.make_layout(1))[0]
                         qraw[((m * 4 + i) * 2 + r) * 2 + pair] = v
@@ -183,7 +214,7 @@ class PartialF16Kernel(PartialKernel):
         cute.arch.sync_threads()
 
         sm_scale_log2 = p.sm_scale_log2
-        if warp_id < ROPE_WARP:
+        if warp_id < self.rope_warp:
             self._nope_role(ctx, bases, out, qraw, sAmax, warp_id, lane, tidx, sm_scale_log2, c_begin, c_end)
         else:
             self._rope_role(ctx, bases, out, qraw, sAmax, lane, tidx, sm_scale_log2, c_begin, c_end)
@@ -213,9 +244,10 @@ class PartialF16Kernel(PartialKernel):
     # ------------------------------------------------------------------ the two roles
     @cute.jit
     def _nope_role(self, ctx, bases, out, qraw, sAmax, w, lane, tidx, sm_scale_log2, c_begin, c_end):
-        """Warps 0..6: nope tile w of QK and of the output, and their share of the softmax."""
+        """Warps 0 .. nope_tiles - 1: nope tile w of QK and of the output, and their share of
+        the softmax."""
         ctx, bases, out, corr_base, g, qd = self._role_start(ctx, bases, out, lane)
-        mt = self.groups
+        mt, fmt, pitch = self.groups, self.fmt, self.gather.row_pitch
         # Q as f16 A fragments: index (m * 4 + i) * 4 + a
         qf = cute.make_rmem_tensor(mt * 16, Int32)
         for m in cutlass.range_constexpr(mt):
@@ -229,11 +261,17 @@ class PartialF16Kernel(PartialKernel):
         sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
         acc_O = cute.make_rmem_tensor(mt * 32, Float32)  # index ((m * 4 + blk) * 2 + parity) * 4 + c
         acc_O.fill(0.0)
-        r_byte = cute.make_rmem_tensor(1, Int32)  # R_w: running max of this tile's scale byte
-        r_byte.fill(0)
-        sbytes = cute.make_rmem_tensor(8, Int32)  # this thread's entries 8 nb + 2 q + i at 2 nb + i
-        k_row = (lane % 8) * RAW_ROW_STRIDE + (lane // 8) * 16 + w * UNIT  # ldmatrix row of QK
-        v_row = lane * RAW_ROW_STRIDE + w * UNIT  # ldmatrix.trans row of PV
+        # R_w: the running max of this tile's scale over the split's valid entries so far (UE8M0,
+        # the byte; FP32, the scale's bits, at least 2**-126)
+        r_run = cute.make_rmem_tensor(1, Int32)
+        r_run.fill(FLT_MIN_BITS if self.fp32_scales else 0)
+        # the scales of this thread's entries 8 nb + 2 q + i at 2 nb + i: UE8M0 bytes or FP32 values
+        sbytes = cute.make_rmem_tensor(8, Int32)
+        sf = cute.make_rmem_tensor(8 if self.fp32_scales else 1, Float32)
+        group = (w * UNIT) // fmt.scale_group  # this tile's scale group
+        scale_at = fmt.scale_offset + 4 * group  # FP32: the scale's byte offset in a row
+        k_row = (lane % 8) * pitch + (lane // 8) * 16 + w * UNIT  # ldmatrix row of QK
+        v_row = lane * pitch + w * UNIT  # ldmatrix.trans row of PV
         # this thread's share of the first stages - 1 chunks' rows (``issue_rows``, one
         # cp.async group each; the nope warps copy nothing later): chunk c_begin's landed
         # before its barrier, the next one's at the end of the first iteration (later a wait
@@ -246,15 +284,24 @@ class PartialF16Kernel(PartialKernel):
             stage_base = ctx.raw_base + (step % self.stages) * self.gather.stage_bytes
             valid_rows = ctx.sMask[buf]
             scale_base = stage_base + self.gather.scale_off
-            for nb in cutlass.range_constexpr(4):
-                for i in cutlass.range_constexpr(2):
-                    sbytes[2 * nb + i] = load_smem_u8(scale_base + (8 * nb + 2 * qd + i) * SCALE_BYTES + w)
-            mine = load_smem_u8(scale_base + lane * SCALE_BYTES + w)
+            if const_expr(self.fp32_scales):
+                for nb in cutlass.range_constexpr(4):
+                    for i in cutlass.range_constexpr(2):
+                        sf[2 * nb + i] = _smem_scalar(Float32, stage_base + (8 * nb + 2 * qd + i) * pitch + scale_at)[0]
+                mine = f32_bits(_smem_scalar(Float32, stage_base + lane * pitch + scale_at)[0])
+            else:
+                for nb in cutlass.range_constexpr(4):
+                    for i in cutlass.range_constexpr(2):
+                        sbytes[2 * nb + i] = load_smem_u8(scale_base + (8 * nb + 2 * qd + i) * fmt.footer_bytes + w)
+                mine = load_smem_u8(scale_base + lane * fmt.footer_bytes + w)
             if (valid_rows >> lane) & 1 == 0:
                 mine = Int32(0)
-            r_old = r_byte[0]
+            r_old = r_run[0]
             r_new = cutlass.max(r_old, warp_max_u32(mine))
-            r_byte[0] = r_new
+            r_run[0] = r_new
+            if const_expr(self.fp32_scales):  # R_w for the softmax's folding (read after the S barrier)
+                if lane == 0:
+                    _smem_scalar(Float32, bases.scale_max + 4 * w)[0] = f32_from_bits(r_new)
 
             # S_w = Q_w K_w^T times each entry's scale; n tiles in pairs, their MMA chains
             # interleaved (one tile at a time, ptxas issued the 16 MMAs back to back on one
@@ -264,7 +311,7 @@ class PartialF16Kernel(PartialKernel):
                 tiles = range(nb0, nb0 + at_once)
                 b = {}
                 for nb in tiles:
-                    kb = ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE, trans=False)
+                    kb = ldsm_x4(stage_base + k_row + 8 * nb * pitch, trans=False)
                     b[nb] = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
                 for m in cutlass.range_constexpr(mt):
                     d = {nb: [Float32(0.0)] * 4 for nb in tiles}
@@ -272,42 +319,61 @@ class PartialF16Kernel(PartialKernel):
                         for nb in tiles:
                             d[nb] = mma_f16(d[nb], [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[nb][i])
                     for nb in tiles:
-                        kf = [ue8m0_scale(sbytes[2 * nb + i]) for i in range(2)]
+                        kf = [self._entry_scale(sbytes, sf, 2 * nb + i) for i in range(2)]
                         self._store_s_part(bases, w, m, nb, lane, [d[nb][0] * kf[0], d[nb][1] * kf[1],
                                                                    d[nb][2] * kf[0], d[nb][3] * kf[1]])
             cute.arch.sync_threads()
-            moved = self.softmax.step(sm, bases, valid_rows, tidx, step)
+            moved = self.softmax.step(sm, bases, valid_rows, tidx, step, stage_base)
 
-            # O_w = O_w * correction * 2**(R_old - R_new) + P' V_w
-            # P' scale pairs: k16 step s, entries 16 s + 2 q + {0, 1} (n tile 2 s) and
-            # 16 s + 8 + 2 q + {0, 1} (n tile 2 s + 1)
-            # 2**(b - R_w) as (b << 23) + ((127 - R_w) << 23): one multiply-add and a max per byte
-            r_bits = (127 - r_new) << 23
-            pfac = [pack_f16x2(*[pow2_f32_bits(sbytes[2 * nt + i] * (1 << 23) + r_bits) for i in range(2)])
-                    for nt in range(4)]
+            # O_w = O_w * correction * R_old / R_new + P' V_w, P' = P s / R_w
             pa = []
-            for m in cutlass.range_constexpr(mt):
-                for s in cutlass.range_constexpr(2):
-                    pfr = self._load_p(bases.p16, m, s, lane)
-                    pa.append([mul_f16x2(pfr[0], pfac[2 * s]), mul_f16x2(pfr[1], pfac[2 * s]),
-                               mul_f16x2(pfr[2], pfac[2 * s + 1]), mul_f16x2(pfr[3], pfac[2 * s + 1])])
+            ratio = Float32(1.0)
+            if const_expr(self.fp32_scales):  # P' as the softmax folded it (this tile's group's row)
+                ratio = f32_from_bits(r_old) * rcp_approx(f32_from_bits(r_new))
+                for m in cutlass.range_constexpr(mt):
+                    for s in cutlass.range_constexpr(2):
+                        pa.append(self._load_p(bases.p16 + group * (self.hb * F16_P_ROW_BYTES), m, s, lane))
+            else:
+                # UE8M0: P' scale pairs: k16 step s, entries 16 s + 2 q + {0, 1} (n tile 2 s) and
+                # 16 s + 8 + 2 q + {0, 1} (n tile 2 s + 1); 2**(b - R_w) as (b << 23) +
+                # ((127 - R_w) << 23): one multiply-add and a max per byte
+                ratio = pow2_f32(r_old - r_new)
+                r_bits = (127 - r_new) << 23
+                pfac = [pack_f16x2(*[pow2_f32_bits(sbytes[2 * nt + i] * (1 << 23) + r_bits) for i in range(2)])
+                        for nt in range(4)]
+                for m in cutlass.range_constexpr(mt):
+                    for s in cutlass.range_constexpr(2):
+                        pfr = self._load_p(bases.p16, m, s, lane)
+                        pa.append([mul_f16x2(pfr[0], pfac[2 * s]), mul_f16x2(pfr[1], pfac[2 * s]),
+                                   mul_f16x2(pfr[2], pfac[2 * s + 1]), mul_f16x2(pfr[3], pfac[2 * s + 1])])
             # the rescale only when a head's reference max or R_w moved (CTA- / warp-uniform),
             # in a loop of 0 or 1 pass: ptxas predicated an `if` around it (both paths issued).
             # (Measured, H200: giving each path its own copy of the MMAs, which saves the ~60
             # register moves ptxas puts where the paths meet with 32 heads, was 3-5% slower.)
             for _ in cutlass.range(moved | Int32(r_new != r_old), unroll=1):
-                self._rescale(acc_O, corr_base, pow2_f32(r_old - r_new), g)
+                self._rescale(acc_O, corr_base, ratio, g)
             self._nope_pv(acc_O, pa, stage_base + v_row)
             cute.arch.cp_async_wait_group(0)
 
         self._finish_softmax(sm, bases, out, tidx)
         # column 64 w + 16 blk + 4 q + k of row (m, r) is accumulator ((m * 4 + blk) * 2 + k % 2) * 4
-        # + 2 r + k // 2, in units of 2**(R_w - 127)
+        # + 2 r + k // 2, in units of R_w's scale
         def pieces(m, r):
             return [(w * UNIT + 16 * blk + 4 * qd, [((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2 for k in range(4)])
                     for blk in range(4)]
 
-        self._store_outputs(acc_O, ue8m0_scale(r_byte[0]), pieces, bases, out, lane)
+        if const_expr(self.fp32_scales):
+            unit = f32_from_bits(r_run[0])
+        else:
+            unit = ue8m0_scale(r_run[0])
+        self._store_outputs(acc_O, unit, pieces, bases, out, lane)
+
+    @cute.jit
+    def _entry_scale(self, sbytes, sf, k: int) -> Float32:
+        """This tile's K scale of this thread's entry k (n tile k // 2, column k % 2)."""
+        if const_expr(self.fp32_scales):
+            return sf[k]
+        return ue8m0_scale(sbytes[k])
 
     def _rescale(self, acc_O, corr_base, ratio, g):
         """acc_O of this thread's head rows (16 m + g + 8 r) times the row's correction (shared
@@ -348,17 +414,19 @@ class PartialF16Kernel(PartialKernel):
 
     @cute.jit
     def _rope_role(self, ctx, bases, out, qraw, sAmax, lane, tidx, sm_scale_log2, c_begin, c_end):
-        """Warp 7: the 64 rope dims of QK and of the output (bf16), its share of the softmax,
-        and the gather of the main loop."""
+        """Warp nope_tiles: the 64 rope dims of QK (where the format has them) and of the
+        output (where V has them; bf16), its share of the softmax (MODEL1) or only the
+        softmax's barriers, and the gather of the main loop."""
         ctx, bases, out, corr_base, g, qd = self._role_start(ctx, bases, out, lane)
-        mt = self.groups
-        sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
-        acc_O = cute.make_rmem_tensor(mt * 32, Float32)  # index (m * 8 + n) * 4 + c
+        mt, fmt, pitch = self.groups, self.fmt, self.gather.row_pitch
+        if const_expr(self.rope_in_softmax):
+            sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
+        acc_O = cute.make_rmem_tensor(mt * 32 if fmt.rope_in_v else 1, Float32)  # index (m * 8 + n) * 4 + c
         acc_O.fill(0.0)
         # ldmatrix rows: QK lane 8 i + r -> entry r, rope bytes 16 i.. (k16 steps 2 x, 2 x + 1
         # per x4); PV lane l -> entry l
-        k_row = (lane % 8) * RAW_ROW_STRIDE + ROPE_BYTE0 + (lane // 8) * 16
-        v_row = lane * RAW_ROW_STRIDE + ROPE_BYTE0
+        k_row = (lane % 8) * pitch + fmt.rope_offset + (lane // 8) * 16
+        v_row = lane * pitch + fmt.rope_offset
         for c in cutlass.range(c_begin, c_end, 1, unroll=1):
             step = c - c_begin
             buf = step % self.slots
@@ -371,29 +439,33 @@ class PartialF16Kernel(PartialKernel):
             valid_rows = ctx.sMask[buf]
             if const_expr(self.early_row_groups > 0):
                 located = self._start_next_chunk(ctx, c, c_end, step, lane)
-            at_once = self.rope_qk_tiles_at_once
-            for nb0 in cutlass.range_constexpr(0, 4, at_once):  # as in the nope role
-                tiles = range(nb0, nb0 + at_once)
-                kb = {nb: [] for nb in tiles}
-                for nb in tiles:
-                    for x in cutlass.range_constexpr(2):
-                        kb[nb] += ldsm_x4(stage_base + k_row + 8 * nb * RAW_ROW_STRIDE + 64 * x, trans=False)
-                for m in cutlass.range_constexpr(mt):
-                    d = {nb: [Float32(0.0)] * 4 for nb in tiles}
-                    for i in cutlass.range_constexpr(4):
-                        a = [qraw[((m * 4 + i) * 2 + (k % 2)) * 2 + k // 2] for k in range(4)]
-                        for nb in tiles:
-                            d[nb] = mma_bf16(d[nb], a, kb[nb][2 * i:2 * i + 2])
+            if const_expr(fmt.rope_dims > 0):
+                at_once = self.rope_qk_tiles_at_once
+                for nb0 in cutlass.range_constexpr(0, 4, at_once):  # as in the nope role
+                    tiles = range(nb0, nb0 + at_once)
+                    kb = {nb: [] for nb in tiles}
                     for nb in tiles:
-                        self._store_s_part(bases, ROPE_WARP, m, nb, lane, d[nb])
+                        for x in cutlass.range_constexpr(2):
+                            kb[nb] += ldsm_x4(stage_base + k_row + 8 * nb * pitch + 64 * x, trans=False)
+                    for m in cutlass.range_constexpr(mt):
+                        d = {nb: [Float32(0.0)] * 4 for nb in tiles}
+                        for i in cutlass.range_constexpr(4):
+                            a = [qraw[((m * 4 + i) * 2 + (k % 2)) * 2 + k // 2] for k in range(4)]
+                            for nb in tiles:
+                                d[nb] = mma_bf16(d[nb], a, kb[nb][2 * i:2 * i + 2])
+                        for nb in tiles:
+                            self._store_s_part(bases, self.rope_warp, m, nb, lane, d[nb])
             cute.arch.sync_threads()
-            moved = self.softmax.step(sm, bases, valid_rows, tidx, step)
+            if const_expr(self.rope_in_softmax):
+                moved = self.softmax.step(sm, bases, valid_rows, tidx, step, stage_base)
+            else:
+                moved = self.softmax.step_barriers(step)
             # the rest of the next chunk's gather here: the rope warp's shortest phase
             if const_expr(self.early_row_groups == 0):
                 located = self._start_next_chunk(ctx, c, c_end, step, lane)
             if c + self.stages - 1 < c_end:
                 self.gather.copy_rows(next_base, located, lane, range(self.early_row_groups, self.bn // 8),
-                                 scales=self.early_row_groups == 0)
+                                      scales=self.early_row_groups == 0)
             if const_expr(self.late_indices):
                 # chunk c + stages + 1's indices, in the same cp.async group as these rows (one
                 # group per chunk): located two chunks from now, after the wait that lands it
@@ -401,17 +473,23 @@ class PartialF16Kernel(PartialKernel):
                     self.gather.issue_indices(ctx, c + self.stages + 1, (step + self.stages + 1) % self.slots)
             cute.arch.cp_async_commit_group()
 
-            pa = [self._load_p(bases.pbf, m, s, lane) for m in range(mt) for s in range(2)]
-            for _ in cutlass.range(moved, unroll=1):  # as in the nope role
-                self._rescale(acc_O, corr_base, Float32(1.0), g)
-            self._rope_pv(acc_O, pa, stage_base + v_row)
+            if const_expr(fmt.rope_in_v):
+                pa = [self._load_p(bases.pbf, m, s, lane) for m in range(mt) for s in range(2)]
+                for _ in cutlass.range(moved, unroll=1):  # as in the nope role
+                    self._rescale(acc_O, corr_base, Float32(1.0), g)
+                self._rope_pv(acc_O, pa, stage_base + v_row)
 
-        self._finish_softmax(sm, bases, out, tidx)
-        # column 448 + 8 n + 2 q + i of row (m, r) is accumulator (m * 8 + n) * 4 + 2 r + i
-        def pieces(m, r):
-            return [(D_NOPE + 8 * n + 2 * qd, [(m * 8 + n) * 4 + 2 * r + i for i in range(2)]) for n in range(8)]
+        if const_expr(self.rope_in_softmax):
+            self._finish_softmax(sm, bases, out, tidx)
+        else:
+            cute.arch.sync_threads()  # ``_finish_softmax``'s barrier
+        if const_expr(fmt.rope_in_v):
+            # column nope_dims + 8 n + 2 q + i of row (m, r) is accumulator (m * 8 + n) * 4 + 2 r + i
+            def pieces(m, r):
+                return [(fmt.nope_dims + 8 * n + 2 * qd, [(m * 8 + n) * 4 + 2 * r + i for i in range(2)])
+                        for n in range(8)]
 
-        self._store_outputs(acc_O, Float32(1.0), pieces, bases, out, lane)
+            self._store_outputs(acc_O, Float32(1.0), pieces, bases, out, lane)
 
     # ------------------------------------------------------------------ shared steps
     @staticmethod
@@ -428,7 +506,7 @@ class PartialF16Kernel(PartialKernel):
         """E_h: the exponent of head row ``hrow``'s largest |q| over the nope dims, clamped so
         that every power of two built from it is a normal f32."""
         amax = sAmax[hrow, 0]
-        for w in cutlass.range_constexpr(1, ROPE_WARP):
+        for w in cutlass.range_constexpr(1, self.rope_warp):
             amax = cutlass.max(amax, sAmax[hrow, w])
         return cutlass.min(cutlass.max((amax >> 23) - 127, -100), 127)
 

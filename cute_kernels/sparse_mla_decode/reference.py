@@ -1,4 +1,4 @@
-"""Reference of DeepSeek-V4 sparse MLA decode (FlashMLA's sparse-decode semantics) in torch.
+"""Reference of sparse MLA decode (FlashMLA's sparse-decode semantics) in torch, every format.
 
 The oracle every test compares against, in float64 by default. Plain torch, no CUTLASS.
 
@@ -8,7 +8,8 @@ extra list together (ONE softmax):
 - an entry is valid when it lies before ``topk_length[t]`` (clamped to [0, topk]) and its
   slot is in ``[0, num_blocks * P)``; ``-1`` and any other slot are ignored, never read;
 - s_j = sm_scale * <q[t, h], k_j>; lse = ln(sum_j exp(s_j)); out = sum_j softmax(s)_j * v_j,
-  with k_j = v_j = the dequantized 512-dim latent of the slot;
+  with k_j the dequantized latent of the slot (d_qk dims) and v_j its first d_v dims
+  (``kv_format.KvFormat``: all of it, or the nope dims only where V excludes the rope);
 - ``attn_sink[h]`` multiplies out by exp(lse) / (exp(lse) + exp(sink)); lse is unchanged;
 - a token with no valid entry gets out = 0 and lse = +inf.
 """
@@ -17,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_format import gather_slots, read_cache_view
-from .layout import DEFAULT_SM_SCALE
+from .cache_format import gather_slot_parts, read_cache_view
 
 
 def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None) -> torch.Tensor:
@@ -30,13 +30,15 @@ def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tens
     return valid
 
 
-def _scores_and_values(q, cache, indices, topk_length, sm_scale, dtype):
-    view = read_cache_view(cache)
+def _scores_and_values(q, cache, kv_format, indices, topk_length, sm_scale, dtype):
+    view = read_cache_view(cache, kv_format)
     valid = valid_entries(indices, view.num_slots, topk_length)
-    rows = gather_slots(view, torch.where(valid, indices.long(), 0)).to(dtype)  # [T, k, 512], exact
+    nope, factor, rope = gather_slot_parts(view, torch.where(valid, indices.long(), 0))
+    nope = (nope.to(dtype) * factor.to(dtype)[..., None]).flatten(-2)  # exact in float64 (4 x 24 bits)
+    rows = torch.cat([nope, rope.to(dtype)], dim=-1).masked_fill(~valid[..., None], 0.0)  # [T, k, d_qk]
     scores = torch.einsum("thd,tkd->thk", q.to(dtype), rows) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    return scores, rows
+    return scores, rows[..., :view.fmt.d_v]
 
 
 def reference_decode(
@@ -50,16 +52,20 @@ def reference_decode(
     extra_kv_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
+    kv_format: str | None = None,
+    extra_kv_format: str | None = None,
     dtype: torch.dtype = torch.float64,
 ):
-    """Return ``(out [T, H, 512], lse [T, H])`` in ``dtype`` (float64 by default: the test
-    oracle) for ``q [T, H, 512]``, ``indices [T, topk]``. The cache values are exact in
-    float32, so ``dtype`` decides only the arithmetic's rounding."""
+    """Return ``(out [T, H, d_v], lse [T, H])`` in ``dtype`` (float64 by default: the test
+    oracle) for ``q [T, H, d_qk]``, ``indices [T, topk]``. ``kv_format`` / ``extra_kv_format``:
+    the caches' formats (None: by the cache's width). The cache values are exact in float32, so
+    ``dtype`` decides only the arithmetic's rounding. ``sm_scale`` defaults to the format's."""
     if sm_scale is None:
-        sm_scale = DEFAULT_SM_SCALE
-    scores, rows = _scores_and_values(q, kv_cache, indices, topk_length, sm_scale, dtype)
+        sm_scale = read_cache_view(kv_cache, kv_format).fmt.default_sm_scale
+    scores, rows = _scores_and_values(q, kv_cache, kv_format, indices, topk_length, sm_scale, dtype)
     if extra_kv_cache is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
-        s2, r2 = _scores_and_values(q, extra_kv_cache, extra_indices, extra_topk_length, sm_scale, dtype)
+        s2, r2 = _scores_and_values(q, extra_kv_cache, extra_kv_format, extra_indices, extra_topk_length, sm_scale,
+                                    dtype)
         scores = torch.cat([scores, s2], dim=-1)
         rows = torch.cat([rows, r2], dim=1)
     lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid

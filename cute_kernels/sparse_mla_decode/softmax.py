@@ -10,12 +10,16 @@ Two forms:
   group after ``exchange_s`` (each warp's partial S over its slice of the QK width, summed
   through shared memory in a fixed order), and the 4 threads of an MMA quad own two head
   rows: their max and sum by quad shuffles;
-- spread form ("f16", ``SpreadSoftmax``): the 8 warps' partial S of all heads are in shared
-  memory, and thread t sums the partials of 2 or 4 consecutive entries of one head and runs
-  the softmax with the 16 or 8 threads of its head. A head's reference max moves only when
-  the chunk's max exceeds it by more than ``tuning.RESCALE_LOG2`` (so P <= 2**8); P is
-  written to shared memory in f16 (nope warps) and bf16 (rope warp) with the row's rescale
-  factor, for the PV step to load.
+- spread form ("f16", ``SpreadSoftmax``): the warps' partial S of all heads are in shared
+  memory (one per nope warp, and the rope dims' where the format has them), and thread t of
+  the first 256 sums the partials of 2 or 4 consecutive entries of one head and runs the
+  softmax with the 16 or 8 threads of its head. A head's reference max moves only when the
+  chunk's max exceeds it by more than ``tuning.RESCALE_LOG2`` (so P <= 2**8); P is written
+  to shared memory with the row's rescale factor, for the PV step to load: UE8M0 formats in
+  f16 (the nope warps scale it by powers of two) and bf16 (the rope warp); FP32-scale
+  formats once per scale group g, in f16, as P * s_g / R_g (s_g the entry's scale of group
+  g, R_g the group's running maximum, ``scale_max``): the FP32 scale is applied in f32 and
+  P rounded once.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from . import tuning
-from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_WARPS, PartialConfig
+from .config import F16_P_ROW_BYTES, F16_S_ROW, F16_SOFTMAX_THREADS, PartialConfig
 from .device_utils import smem_scalar, smem_vec
 from .epilogue import quad_allreduce
-from .warp_ops import pack_bf16x2, pack_f16x2, pow2_f32, sync_threads_or
+from .kv_format import NOPE_TILE
+from .warp_ops import pack_bf16x2, pack_f16x2, pow2_f32, rcp_approx, sync_threads_or
 
 
 # ---------------------------------------------------------------------- quad form
@@ -95,9 +100,15 @@ class SpreadSoftmax:
 
     def __init__(self, cfg: PartialConfig):
         self.hb = cfg.heads_per_cta
-        # entries per thread, threads per head row
-        self.ept = self.hb * cfg.block_n // cfg.num_threads
+        self.fmt = fmt = cfg.fmt
+        # entries per thread, threads per head row (the first F16_SOFTMAX_THREADS threads)
+        self.ept = self.hb * cfg.block_n // F16_SOFTMAX_THREADS
         self.tpr = cfg.block_n // self.ept
+        self.partials = cfg.s_partials  # the nope warps' partial S, then the rope dims' if any
+        self.fold = fmt.scale_type == "fp32"  # P per scale group with the FP32 scales folded in
+        self.row_pitch = fmt.raw_row_stride
+        self.group_rows = self.hb * F16_P_ROW_BYTES  # bytes between the P rows of two scale groups
+        assert not self.fold or (fmt.scale_offset % 16 == 0 and self.row_pitch % 16 == 0)
 
     @cute.jit
     def state(self, tidx: Int32, nope_unit_exponent, sm_scale_log2: Float32) -> SimpleNamespace:
@@ -113,11 +124,11 @@ class SpreadSoftmax:
                                nope_fac=pow2_f32(e) * sm_scale_log2, rope_fac=sm_scale_log2)
 
     @cute.jit
-    def step(self, sm, bases, valid_rows, tidx, step):
-        """Scores of this thread's entries from the 8 partials, the online softmax over its
-        head row, P (f16 and bf16) and the row's rescale factor into shared memory, visible to
-        the CTA on return; returns 1 (every thread) when some head's reference max moved,
-        else 0.
+    def step(self, sm, bases, valid_rows, tidx, step, stage_base):
+        """Scores of this thread's entries from the partials, the online softmax over its
+        head row, P (module docstring; ``stage_base``: the chunk's raw rows, for FP32 scales)
+        and the row's rescale factor into shared memory, visible to the CTA on return; returns
+        1 (every thread) when some head's reference max moved, else 0.
 
         After the first chunk a head's max rarely moves, so P is first computed against the
         old max without the row's max: each thread only tests its own entries against
@@ -128,20 +139,25 @@ class SpreadSoftmax:
         ept, tpr = self.ept, self.tpr
         hrow, j0, run = sm.hrow, sm.j0, sm.run
         s_base, p16_base, pbf_base, corr_addr = bases.s, bases.p16, bases.pbf, bases.corr + hrow * 4
-        parts = []  # the 7 nope partials then the rope one, each [ept]
-        for w in cutlass.range_constexpr(F16_WARPS):
+        parts = []  # the nope partials then the rope one (if any), each [ept]
+        for w in cutlass.range_constexpr(self.partials):
             v = cute.make_rmem_tensor(ept, Float32)
             cute.autovec_copy(smem_vec(Float32, s_base + ((w * self.hb + hrow) * F16_S_ROW + j0) * 4, ept), v)
             parts.append(v.load())
         part = cute.make_rmem_tensor(ept, Float32)
-        part.store(parts.pop())
+        if const_expr(self.fmt.rope_dims > 0):
+            part.store(parts.pop())
         acc = cute.make_rmem_tensor(ept, Float32)  # the scores (log2 units), -inf where invalid
         acc.store(_tree_sum(parts))  # 3 dependent adds, not 6
         for e in cutlass.range_constexpr(ept):
-            s = acc[e] * sm.nope_fac + part[e] * sm.rope_fac
+            s = acc[e] * sm.nope_fac
+            if const_expr(self.fmt.rope_dims > 0):
+                s = s + part[e] * sm.rope_fac
             if (valid_rows >> (j0 + e)) & 1 == 0:
                 s = -Float32.inf
             acc[e] = s
+        # FP32 scales: where _store_p reads the group maxima and this thread's entries' scales
+        fold = (bases.scale_max, stage_base + j0 * self.row_pitch + self.fmt.scale_offset)
         p = cute.make_rmem_tensor(ept, Float32)
         p_offset = hrow * F16_P_ROW_BYTES + j0 * 2
         m_old = run[0]
@@ -153,7 +169,7 @@ class SpreadSoftmax:
             exceeds = Int32(0)
             for e in cutlass.range_constexpr(ept):
                 exceeds = exceeds | Int32(acc[e] > m_old + tuning.RESCALE_LOG2)
-            psum = self._write_p(acc, m_base, Float32(1.0), p, p16_base, pbf_base, p_offset, corr_addr, tidx)
+            psum = self._write_p(acc, m_base, Float32(1.0), p, fold, p16_base, pbf_base, p_offset, corr_addr, tidx)
             moved = cute.arch.make_warp_uniform(sync_threads_or(exceeds))
             if moved == 0:
                 run[1] = run[1] + psum
@@ -173,14 +189,44 @@ class SpreadSoftmax:
             if m_new == -Float32.inf:
                 m_base = Float32(0.0)
             corr = cute.math.exp2(m_old - m_base, fastmath=True)
-            psum = self._write_p(acc, m_base, corr, p, p16_base, pbf_base, p_offset, corr_addr, tidx)
+            psum = self._write_p(acc, m_base, corr, p, fold, p16_base, pbf_base, p_offset, corr_addr, tidx)
             run[1] = run[1] * corr + psum
             run[0] = m_new
             cute.arch.sync_threads()
         return moved
 
     @cute.jit
-    def _write_p(self, acc, m_base, corr, p, p16_base, pbf_base, p_offset, corr_addr, tidx):
+    def step_barriers(self, step) -> Int32:
+        """``step``'s barriers, in its order, for a warp with no share of the softmax (the
+        "f16" rope warp of a format with 8 nope warps); returns ``moved`` as ``step`` does."""
+        moved = Int32(1)
+        if step != 0:
+            moved = cute.arch.make_warp_uniform(sync_threads_or(Int32(0)))
+        if moved != 0:
+            cute.arch.sync_threads()
+        return moved
+
+    @cute.jit
+    def _fold_factors(self, fold):
+        """FP32 scales: s_g / R_g of this thread's entries, entry e's of group g at
+        ``num_scales * e + g``, from ``fold`` = (the groups' running maxima R_g as the nope
+        warps of group g wrote them for this chunk, the first entry's scales; one 16-byte load
+        per entry). Computed where P is stored, not held across the softmax's barrier: held,
+        they pushed the 288-thread kernel past its 168 registers."""
+        fmt = self.fmt
+        scale_max, scales = fold
+        factors = cute.make_rmem_tensor(fmt.num_scales * self.ept, Float32)
+        inv_r = [rcp_approx(smem_scalar(Float32, scale_max + 4 * (g * fmt.scale_group // NOPE_TILE))[0])
+                 for g in range(fmt.num_scales)]
+        for e in cutlass.range_constexpr(self.ept):
+            sc = cute.make_rmem_tensor(fmt.num_scales, Float32)
+            cute.autovec_copy(smem_vec(Float32, scales + e * self.row_pitch, fmt.num_scales), sc)
+            for g in cutlass.range_constexpr(fmt.num_scales):
+                factors[fmt.num_scales * e + g] = sc[g] * inv_r[g]
+        return factors
+
+    @cute.jit
+    def _write_p(self, acc, m_base, corr, p, fold, p16_base, pbf_base, p_offset, corr_addr, tidx):
         """P = 2**(score - m_base) of this thread's entries into ``p`` and the P rows, the
         head row's rescale factor ``corr`` (by its first thread); returns the entries' sum.
         Both softmax paths (against the old max, and the exact step) write P through this."""
@@ -188,22 +234,33 @@ class SpreadSoftmax:
         for e in cutlass.range_constexpr(self.ept):
             p[e] = cute.math.exp2(acc[e] - m_base, fastmath=True)
             psum = psum + p[e]
-        self._store_p(p, p16_base, pbf_base, p_offset)
+        self._store_p(p, fold, p16_base, pbf_base, p_offset)
         if tidx % self.tpr == 0:
             smem_scalar(Float32, corr_addr)[0] = corr
         return psum
 
     @cute.jit
-    def _store_p(self, p, p16_base, pbf_base, offset):
-        """This thread's P values into the f16 and the bf16 P rows (``offset`` bytes in)."""
+    def _store_p(self, p, fold, p16_base, pbf_base, offset):
+        """This thread's P values into the P rows (``offset`` bytes in): UE8M0, the f16 and the
+        bf16 rows; FP32 scales, group g's f16 row P s_g / R_g (``_fold_factors``)."""
         ept = self.ept
-        words16 = cute.make_rmem_tensor(ept // 2, Int32)
-        words_bf = cute.make_rmem_tensor(ept // 2, Int32)
-        for k in cutlass.range_constexpr(ept // 2):
-            words16[k] = pack_f16x2(p[2 * k], p[2 * k + 1])
-            words_bf[k] = pack_bf16x2(p[2 * k], p[2 * k + 1])
-        cute.autovec_copy(words16, smem_vec(Int32, p16_base + offset, ept // 2))
-        cute.autovec_copy(words_bf, smem_vec(Int32, pbf_base + offset, ept // 2))
+        if const_expr(self.fold):
+            ns = self.fmt.num_scales
+            factors = self._fold_factors(fold)
+            for g in cutlass.range_constexpr(ns):
+                words = cute.make_rmem_tensor(ept // 2, Int32)
+                for k in cutlass.range_constexpr(ept // 2):
+                    words[k] = pack_f16x2(p[2 * k] * factors[ns * 2 * k + g],
+                                          p[2 * k + 1] * factors[ns * (2 * k + 1) + g])
+                cute.autovec_copy(words, smem_vec(Int32, p16_base + g * self.group_rows + offset, ept // 2))
+        else:
+            words16 = cute.make_rmem_tensor(ept // 2, Int32)
+            words_bf = cute.make_rmem_tensor(ept // 2, Int32)
+            for k in cutlass.range_constexpr(ept // 2):
+                words16[k] = pack_f16x2(p[2 * k], p[2 * k + 1])
+                words_bf[k] = pack_bf16x2(p[2 * k], p[2 * k + 1])
+            cute.autovec_copy(words16, smem_vec(Int32, p16_base + offset, ept // 2))
+            cute.autovec_copy(words_bf, smem_vec(Int32, pbf_base + offset, ept // 2))
 
     @cute.jit
     def row_total(self, sm):

@@ -206,3 +206,9 @@ def sync_threads_or(flag: Int32) -> Int32:
     return Int32(_asm([Int32.mlir_type], [Int32(flag)],
                       "{\n.reg .pred p, q;\nsetp.ne.u32 p, $1, 0;\nbarrier.cta.red.or.pred q, 0, p;\n"
                       "selp.u32 $0, 1, 0, q;\n}", "=r,r", side_effects=True))
+
+
+def rcp_approx(x: Float32) -> Float32:
+    """1 / x to within one ulp (``rcp.approx.ftz.f32``: one MUFU.RCP; x normal, results below
+    2**-126 flushed to 0)."""
+    return Float32(_asm([Float32.mlir_type], [Float32(x)], "rcp.approx.ftz.f32 $0, $1;", "=f,f"))

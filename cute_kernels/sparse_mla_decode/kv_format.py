@@ -1,0 +1,157 @@
+"""Sparse-MLA KV-cache formats as data: one description per format, the facts every reader uses.
+
+A token's record holds its latent: ``nope_dims`` e4m3 values with one scale per
+``scale_group`` of them, then (optionally) ``rope_dims`` bf16 values stored as they are.
+Where the scales sit:
+
+- ``"footer"``: per page block of P tokens, the P data rows ``[nope | rope]`` first, packed at
+  ``row_bytes``, then a footer of P scale records (``scale_bytes`` + ``footer_pad`` bytes each)
+  at ``P * row_bytes + t * footer_bytes``;
+- ``"inline"``: each token's row is ``[nope | scales | rope]``; rows are ``row_stride`` bytes
+  apart inside a page block (a runtime value, at least ``row_bytes``; bytes past ``row_bytes``
+  are never read).
+
+The cache validation, packers, unpacker, reference, the kernels' gather and dequantization,
+the variant key, the AOT registry and the error messages all take their facts from here; the
+kernels get them as compile-time constants. Plain Python: no torch, no CUTLASS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+UE8M0_BIAS = 127
+FP8_E4M3_MAX = 448.0
+NOPE_TILE = 64  # nope dims per "f16" nope warp and per FP8-path MMA unit
+D_V = 512  # every format's value width: the output rows and the merge kernel's
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """One cache format (module docstring). ``model_type`` starts every refusal message of a
+    call on such a cache; ``row_pitches``: the inline row strides a 2-D (flat) view may
+    imply, the first the default."""
+
+    name: str
+    model_type: str
+    nope_dims: int
+    rope_dims: int
+    rope_in_v: bool
+    scale_type: str  # "ue8m0": one byte b, 2**(b - 127); "fp32": a little-endian float32
+    scale_group: int
+    scale_placement: str  # "footer" | "inline"
+    footer_pad: int = 0
+    row_pitches: tuple[int, ...] = ()
+
+    @property
+    def d_qk(self) -> int:
+        return self.nope_dims + self.rope_dims
+
+    @property
+    def d_v(self) -> int:
+        return self.nope_dims + (self.rope_dims if self.rope_in_v else 0)
+
+    @property
+    def default_sm_scale(self) -> float:
+        """The softmax scale when a caller gives none: d_qk ** -0.5 (FlashMLA's)."""
+        return self.d_qk ** -0.5
+
+    @property
+    def num_scales(self) -> int:
+        return self.nope_dims // self.scale_group
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.num_scales * (1 if self.scale_type == "ue8m0" else 4)
+
+    @property
+    def inline(self) -> bool:
+        return self.scale_placement == "inline"
+
+    @property
+    def nope_tiles(self) -> int:
+        """64-dim nope tiles: the "f16" kernel's nope warps."""
+        return self.nope_dims // NOPE_TILE
+
+    @property
+    def raw_row_stride(self) -> int:
+        """Shared-memory bytes per gathered row: the row padded to an odd number of 16-byte
+        units, so that 8 consecutive rows start on different banks (conflict-free ldmatrix
+        on the raw rows); MODEL1's 576 becomes 592."""
+        units = -(-self.row_bytes // 16)
+        return 16 * (units + 1 - units % 2)
+
+    @property
+    def rope_offset(self) -> int:
+        """Byte offset of the rope dims in a row."""
+        return self.nope_dims + (self.scale_bytes if self.inline else 0)
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scales in a row (inline) or in a footer record (footer)."""
+        return self.nope_dims if self.inline else 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row as the kernels read it."""
+        return self.rope_offset + 2 * self.rope_dims
+
+    @property
+    def footer_bytes(self) -> int:
+        """Bytes of one token's footer record (0 for inline scales)."""
+        return 0 if self.inline else self.scale_bytes + self.footer_pad
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Logical bytes per token: the row and its footer record."""
+        return self.row_bytes + self.footer_bytes
+
+    def __post_init__(self):
+        if self.nope_dims % self.scale_group or self.nope_dims % NOPE_TILE or self.scale_group % NOPE_TILE:
+            raise ValueError(f"{self.name}: nope dims and scale groups must be multiples of {NOPE_TILE}")
+        if self.scale_type not in ("ue8m0", "fp32") or self.scale_placement not in ("footer", "inline"):
+            raise ValueError(f"{self.name}: unknown scale type or placement")
+        if self.scale_type == "ue8m0" and self.scale_group != NOPE_TILE:
+            raise ValueError(f"{self.name}: UE8M0 scales are per {NOPE_TILE} dims")
+        if self.d_v != D_V or self.rope_dims % 16:
+            raise ValueError(f"{self.name}: the kernels take {D_V} value dims and rope dims in k16 steps")
+
+
+MODEL1_FP8 = KvFormat(
+    name="model1_fp8", model_type="DeepSeek-V4 sparse MLA decode (MODEL1 FP8 cache, 584 B per token)",
+    nope_dims=448, rope_dims=64, rope_in_v=True, scale_type="ue8m0", scale_group=64, scale_placement="footer",
+    footer_pad=1,
+)
+V32_FP8 = KvFormat(
+    name="v32_fp8", model_type="DeepSeek-V3.2 / GLM-5 sparse MLA decode (656 B FP8 rows, FP32 scales)",
+    nope_dims=512, rope_dims=64, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
+    row_pitches=(656,),
+)
+GLM_NOPE_FP8 = KvFormat(
+    name="glm_nope_fp8", model_type="GLM-5.3 sparse MLA decode (528 B rope-free FP8 rows, FP32 scales)",
+    nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
+    row_pitches=(528, 656),
+)
+
+FORMATS = {f.name: f for f in (MODEL1_FP8, V32_FP8, GLM_NOPE_FP8)}
+DEFAULT_FORMAT = MODEL1_FP8.name
+# the format a cache of this last-dimension width is, where no other format has that width
+# (a 528-byte row could be GLM-5.3's or another format's: it must be named)
+FORMAT_BY_WIDTH = {MODEL1_FP8.bytes_per_token: MODEL1_FP8.name, V32_FP8.row_bytes: V32_FP8.name}
+# which formats a main cache of one format may be combined with as the extra (compressed)
+# cache: only where a model does so (DeepSeek-V4's sliding window plus compressed cache)
+EXTRA_FORMATS = {MODEL1_FP8.name: (MODEL1_FP8.name,)}
+
+
+def get_format(name: str) -> KvFormat:
+    """The description of ``name``; ValueError naming the known formats otherwise."""
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"kv_format must be one of {sorted(FORMATS)}, got {name!r}") from None
+
+
+def formats_of_width(width: int) -> list[str]:
+    """The formats whose cache views may have a last dimension of ``width`` bytes."""
+    return sorted(f.name for f in FORMATS.values()
+                  if width in (f.bytes_per_token, f.row_bytes) or width in f.row_pitches)

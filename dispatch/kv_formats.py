@@ -1,0 +1,82 @@
+"""The cache formats the decode reads, as a public registry, and their packer and unpacker.
+
+``FORMATS`` maps each format's name to its description (a ``KvFormat``: ``bytes_per_token``,
+``d_qk``, ``d_v``, ``model_type``, where its scales sit, ...); ``sparse_mla_decode(...,
+kv_format=NAME)`` reads a cache of that format:
+
+| name | model | bytes per token | d_qk | d_v |
+| --- | --- | --- | --- | --- |
+| ``model1_fp8`` | DeepSeek-V4 (the default) | 584 | 512 | 512 |
+| ``v32_fp8`` | DeepSeek-V3.2, GLM-5.x | 656 | 576 | 512 |
+| ``glm_nope_fp8`` | GLM-5.3 | 528 (rows 528 or 656 apart) | 512 | 512 |
+
+``pack`` quantizes a latent into a cache view the API accepts, as a named serving engine's
+writer does (``writers``); ``unpack`` dequantizes a cache back. Both are plain torch and run
+on CPU or GPU tensors: thin, validating layers over ``cute_kernels.sparse_mla_decode.cache_format``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_kernels.sparse_mla_decode.cache_format import WRITERS, pack_latent, unpack_cache
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
+
+__all__ = ["FORMATS", "DEFAULT_FORMAT", "EXTRA_FORMATS", "KvFormat", "get_format", "writers", "pack", "unpack"]
+
+
+def writers(kv_format: str) -> tuple[str, ...]:
+    """The writers (scale recipes) ``pack`` can imitate for ``kv_format``, its default first."""
+    return tuple(WRITERS[get_format(kv_format).name])
+
+
+def _positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: str | None = None,
+         block_stride: int | None = None, row_stride: int | None = None, fill: int = 0) -> torch.Tensor:
+    """Quantize ``latent`` into a ``kv_format`` cache: a uint8 view ``[num_blocks, P, 1, W]``
+    (NHD) that ``sparse_mla_decode(..., kv_format=kv_format)`` reads, on the latent's device.
+
+    ``latent``: floating point, ``[num_tokens, d_qk]`` (token s goes to slot s) or
+    ``[num_blocks, P, d_qk]``. A ``[num_tokens, d_qk]`` latent is padded with zero tokens to
+    whole blocks of ``page_block_size`` (``ceil(num_tokens / P)`` blocks): the padding slots
+    hold a zero latent as the writer quantizes it (a writer without a scale floor may leave an
+    all-zero group NaN, as it does in a pool); no slot below num_tokens is affected. A 3-D
+    latent's P must be ``page_block_size``.
+    ``writer``: whose scale recipe (``writers(kv_format)``; default the first).
+    ``block_stride`` (bytes, a multiple of 16), ``row_stride`` (inline-scale formats: bytes
+    between a block's rows, a multiple of 16 and at least the row) and ``fill`` (the bytes
+    that hold no data) as ``cache_format.pack_latent``.
+    Raises ValueError naming what is wrong."""
+    fmt = get_format(kv_format)
+    page = _positive_int(page_block_size, "page_block_size")
+    if not isinstance(latent, torch.Tensor) or not latent.dtype.is_floating_point:
+        raise ValueError(f"latent must be a floating-point torch.Tensor, got "
+                         f"{getattr(latent, 'dtype', type(latent).__name__)}")
+    if latent.dim() not in (2, 3) or latent.shape[-1] != fmt.d_qk:
+        raise ValueError(f"latent of shape {list(latent.shape)}: a {fmt.name} latent is [num_tokens, {fmt.d_qk}] or "
+                         f"[num_blocks, P, {fmt.d_qk}] ({fmt.nope_dims} nope + {fmt.rope_dims} rope dims)")
+    if latent.dim() == 3 and latent.shape[1] != page:
+        raise ValueError(f"latent of shape {list(latent.shape)} has blocks of {latent.shape[1]} tokens, "
+                         f"page_block_size is {page}")
+    if latent.shape[0] == 0:
+        raise ValueError(f"latent of shape {list(latent.shape)} holds no token")
+    if writer is not None and writer not in WRITERS[fmt.name]:
+        raise ValueError(f"writer must be one of {writers(fmt.name)} for {fmt.name}, got {writer!r}")
+    if latent.dim() == 2:
+        num_blocks = -(-latent.shape[0] // page)
+        blocks = latent.new_zeros(num_blocks * page, fmt.d_qk)
+        blocks[:latent.shape[0]] = latent
+        latent = blocks.view(num_blocks, page, fmt.d_qk)
+    return pack_latent(latent, fmt.name, writer=writer, block_stride=block_stride, row_stride=row_stride, fill=fill)
+
+
+def unpack(cache: torch.Tensor, kv_format: str | None = None) -> torch.Tensor:
+    """Dequantize a whole cache to float32 ``[num_blocks, P, d_qk]`` (``reshape(-1, d_qk)``:
+    slot order). ``kv_format``: the format's name, or None for the one the cache's width
+    names. Raises ``CacheLayoutError`` (a ValueError) for a view that is not such a cache."""
+    return unpack_cache(cache, kv_format)
