@@ -12,7 +12,7 @@
 
 from .api import plan_sparse_mla_decode, sparse_mla_decode, validate_call
 from .metadata import DecodeMetadata, InvalidDecodeInput
-from .plan import PlanOverrides
+from .selection import PlanOverrides
 from . import torch_ops  # noqa: F401  (registers torch.ops.dsv4_mla.sparse_mla_decode)
 
 __all__ = ["sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata", "InvalidDecodeInput",

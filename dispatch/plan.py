@@ -17,7 +17,6 @@ overhead: ``docs/performance.md``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import operator
@@ -26,13 +25,12 @@ import threading
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
-from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
 from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 
 from . import loader
-from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
-from .variants import partial_shape_config, variant_space, variants_for
+from .selection import PlanOverrides, select_kernels
+from .variants import variant_space
 
 SCRATCH_ALIGN = 256
 # the current stream's raw handle: torch's fast accessor where the build has it (CUDA builds do)
@@ -71,44 +69,6 @@ def _variant_space_set(arch: str) -> frozenset:
     return frozenset(variant_space(arch))
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanOverrides:
-    """Choices a plan makes by the dispatch's measured rules, forced instead: a measurement
-    and testing aid (``plan_sparse_mla_decode(..., overrides=...)``). A forced variant need
-    not be in the variant space (it is then compiled on first use, or refused when compiling
-    is switched off). None leaves a choice to the dispatch.
-
-    head_groups: 16-head groups per CTA (1 or 2); num_splits: splits per token (1: the
-    partial kernel writes out / lse itself, no merge), at most the token's chunks and
-    ``splits.MAX_SPLITS``; num_stages: raw row stages (2 or 3); two_ctas_per_sm: the "f16"
-    kernel held to 128 registers (True) or not."""
-
-    head_groups: int | None = None
-    num_splits: int | None = None
-    num_stages: int | None = None
-    two_ctas_per_sm: bool | None = None
-
-    def check(self, precision: str | None = None) -> None:
-        """Raise ValueError for a value no kernel has (of the wrong type, out of range, or,
-        given the plan's ``precision``, a register bound its kernel does not have)."""
-        for name in ("head_groups", "num_splits", "num_stages"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"overrides.{name} must be an int or None, got {value!r} ({type(value).__name__})")
-        if self.two_ctas_per_sm is not None and not isinstance(self.two_ctas_per_sm, bool):
-            raise ValueError(f"overrides.two_ctas_per_sm must be True, False or None, got {self.two_ctas_per_sm!r} "
-                             f"({type(self.two_ctas_per_sm).__name__})")
-        if self.head_groups is not None and self.head_groups not in HEAD_GROUPS:
-            raise ValueError(f"overrides.head_groups must be one of {HEAD_GROUPS}, got {self.head_groups!r}")
-        if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
-            raise ValueError(f"overrides.num_splits must be in [1, {MAX_SPLITS}], got {self.num_splits!r}")
-        if self.num_stages is not None and self.num_stages not in (2, 3):
-            raise ValueError(f"overrides.num_stages must be 2 or 3, got {self.num_stages!r}")
-        if self.two_ctas_per_sm and precision is not None and precision != "f16":
-            raise ValueError(f"overrides.two_ctas_per_sm=True holds the \"f16\" kernel to 128 registers; this plan's "
-                             f"precision is {precision!r}, whose kernel has no such bound")
-
-
 def check_in_variant_space(variants, arch: str, what: str) -> None:
     """Every variant a plan launches is one the variant space (and so the AOT build) has:
     the dispatch's policies (head groups, splits) must never select another."""
@@ -123,38 +83,18 @@ class DecodePlan:
     def __init__(self, call, overrides: PlanOverrides | None = None):
         """``call`` is a validated call (``dispatch.api.validate_call``); ``overrides`` forces
         choices the dispatch would make (``PlanOverrides``)."""
-        ov = overrides or PlanOverrides()
-        ov.check(call.precision)
+        selection = select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision,
+                                   overrides)
         self.device_index = call.device_index
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
         self.kv_format = call.fmt.name
         self.default_sm_scale = call.fmt.default_sm_scale
-        shape = partial_shape_config(call.num_heads, call.num_tokens, call.num_sms, call.precision,
-                                     topk=call.topk, extra_topk=call.extra_topk, smem_per_sm=call.smem_per_sm,
-                                     head_groups=ov.head_groups, kv_format=self.kv_format)
-        if ov.num_stages is not None:  # the split plan sees the stages' shared memory too
-            shape = dataclasses.replace(shape, num_stages=ov.num_stages)
-        self.split = plan_splits(call.num_tokens, call.num_heads, call.topk, call.extra_topk, cfg=shape,
-                                 num_sms=call.num_sms, smem_per_sm=call.smem_per_sm)
-        if ov.num_splits is not None:
-            chunks = self.split.num_chunks
-            per_split = -(-chunks // min(ov.num_splits, chunks))
-            self.split = SplitPlan(chunks, per_split, -(-chunks // per_split))
-            if self.split.num_splits != ov.num_splits:
-                raise ValueError(f"overrides.num_splits={ov.num_splits}: {chunks} chunks of {shape.block_n} entries "
-                                 f"split into equal ranges give {self.split.num_splits} splits")
-        two_per_sm = (two_ctas_per_sm(shape, self.split, call.num_tokens, call.num_heads, call.num_sms,
-                                      call.smem_per_sm) if ov.two_ctas_per_sm is None else ov.two_ctas_per_sm)
-        self.variants = variants_for(call.launch_metadata, call.arch, self.split.num_splits, shape.head_groups,
-                                     precision=call.precision, two_ctas_per_sm=two_per_sm)
-        if ov.num_stages is not None:
-            self.variants = tuple(dataclasses.replace(v, config=dataclasses.replace(v.config, num_stages=ov.num_stages))
-                                  if isinstance(v.config, PartialConfig) else v for v in self.variants)
+        self.split, self.variants = selection.split, selection.variants
         for v in self.variants:
             v.config.check()
-        if ov == PlanOverrides():  # the dispatch's own choice: always one the AOT build has
+        if (overrides or PlanOverrides()) == PlanOverrides():  # the dispatch's own choice: one the AOT build has
             check_in_variant_space(self.variants, call.arch, f"{self.split} for {call.launch_metadata}")
         self.final = len(self.variants) == 1
         T, S, H = call.num_tokens, self.split.num_splits, call.num_heads

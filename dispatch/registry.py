@@ -1,8 +1,8 @@
 """The deployment grid, as data: the shapes serving engines run, per cache format.
 
 This is the single source of truth for what the offline AOT build compiles
-(``dsv4-mla-aot-build`` builds ``registry_variants(arch)``), and a test proves that it equals
-the set of variants the dispatch selects for these shapes:
+(``dsv4-mla-aot-build`` builds ``registry_variants(arch)``): the variants the dispatch selects
+(``selection.select_kernels``, what ``DecodePlan`` plans with) for these calls:
 
 - DeepSeek-V4 (MODEL1 cache): heads per GPU for TP 1 to 16 of V4-Flash, V4-Pro and
   V4.1-Flash, the main and extra top-k widths and page sizes serving engines use,
@@ -15,7 +15,9 @@ the set of variants the dispatch selects for these shapes:
 
 each with every combination of the optional inputs (lengths, sink; the extra list's lengths
 where the format has an extra cache) with one split (final mode) and several splits
-(partial + merge).
+(partial + merge). ``tests/test_dispatch.py::test_registry_is_what_plans_select`` plans a
+sample of these calls as a call is planned and checks that each plan selects what
+``registry_calls`` says, all of it in ``registry_variants``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 
 from .metadata import DecodeMetadata
-from .variants import KernelVariant, format_precisions, partial_shape_config, precisions_for, variants_for
+from .selection import select_kernels
+from .variants import KernelVariant, format_precisions, precisions_for
 
 
 @dataclass(frozen=True)
@@ -80,35 +83,41 @@ H200_SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90a"]
 DEPLOYMENT_SM_COUNTS = (188, 170, 48, 132)
 
 
-def registry_calls(precision: str, arch: str):
-    """Every (metadata, num_splits, head_groups, two_ctas_per_sm) the deployment grid produces
-    with the ``precision`` compute path for ``arch``, on each of ``DEPLOYMENT_SM_COUNTS``: the
-    shapes of every format that has that path (``variants.format_precisions``)."""
-    from .splits import plan_splits, two_ctas_per_sm
-
+def deployment_calls(precision: str, arch: str):
+    """Every call of the deployment grid with the ``precision`` compute path for ``arch``, as
+    (metadata, SM count): the shapes of every format that has that path
+    (``variants.format_precisions``), with each combination of the optional inputs, on each
+    of ``DEPLOYMENT_NUM_TOKENS`` and ``DEPLOYMENT_SM_COUNTS``."""
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
         has_len, has_extra_len, has_sink = flags
         if (has_extra_len and shape.extra_topk == 0) or precision not in format_precisions(arch, shape.kv_format):
             continue
-        smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
         for T, sms in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS):
             md = DecodeMetadata(num_tokens=T, num_heads=shape.num_heads, d_qk=get_format(shape.kv_format).d_qk,
                                 topk=shape.topk, page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
                                 has_extra_topk_length=has_extra_len, has_sink=has_sink, kv_format=shape.kv_format)
-            cfg = partial_shape_config(shape.num_heads, T, sms, precision, topk=shape.topk, extra_topk=shape.extra_topk,
-                                       smem_per_sm=smem_per_sm, kv_format=shape.kv_format)
-            plan = plan_splits(T, shape.num_heads, shape.topk, shape.extra_topk, cfg=cfg, num_sms=sms,
-                               smem_per_sm=smem_per_sm)
-            yield md, plan.num_splits, cfg.head_groups, two_ctas_per_sm(cfg, plan, T, shape.num_heads, sms,
-                                                                       smem_per_sm)
+            yield md, sms
+
+
+def registry_calls(precision: str, arch: str):
+    """Every (metadata, num_splits, head_groups, two_ctas_per_sm) the dispatch selects
+    (``selection.select_kernels``) for the deployment calls (``deployment_calls``) with the
+    ``precision`` compute path on ``arch``, with the arch's shared memory per SM, in
+    ``deployment_calls``' order."""
+    smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
+    for md, sms in deployment_calls(precision, arch):
+        selection = select_kernels(md, arch, sms, smem_per_sm, precision)
+        yield md, selection.num_splits, selection.head_groups, selection.two_ctas_per_sm
 
 
 def registry_variants(arch: str) -> list[KernelVariant]:
-    """The variants the AOT build compiles for ``arch``, in a stable order: every format's."""
+    """The variants the AOT build compiles for ``arch``, in a stable order: every format's,
+    those the dispatch selects (``selection.select_kernels``) for the deployment calls."""
+    smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
     found = {}
     for precision in precisions_for(arch):  # every path a caller can ask for, not only the default
-        for md, splits, head_groups, two_per_sm in registry_calls(precision, arch):
-            for v in variants_for(md, arch, splits, head_groups, precision=precision, two_ctas_per_sm=two_per_sm):
+        for md, sms in deployment_calls(precision, arch):
+            for v in select_kernels(md, arch, sms, smem_per_sm, precision).variants:
                 found.setdefault(v.name, v)
     return [found[name] for name in sorted(found)]

@@ -21,13 +21,15 @@ class SplitPlan:
     num_splits: int
 
 
+@functools.lru_cache(maxsize=1024)
 def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
     """How many partial-kernel CTAs of ``cfg`` one SM holds at once (registers, shared memory).
 
     On sm_120 (100 KB of shared memory per SM) that is 1 for every configuration; on the
     H200 (228 KB) 2 for the "f16" kernel of either head-group count held to 128 registers
     (``two_ctas_per_sm``) and for the bf16 / FP8 one-group kernels (128 threads), 1 for the
-    other two-group kernels (registers)."""
+    other two-group kernels (registers). Cached: a configuration's shared memory plan is the
+    costly part of selecting a call's kernels, and a few configurations serve every call."""
     by_registers = REGISTERS_PER_SM // (cfg.max_registers * cfg.num_threads)
     by_smem = smem_per_sm // (cfg.smem_bytes() + RESERVED_SMEM_PER_CTA)
     return max(1, min(by_registers, by_smem))

@@ -5,14 +5,15 @@
 
 ``--head-groups 1`` or ``2`` forces 16-head or 32-head CTAs (where the dispatch would pick the
 other); ``--precision`` times that compute path (default: the dispatch's); ``--plan-only``
-times only the split count ``plan_splits`` picks (to compare head-group counts each at its
+times only the split count the dispatch picks (to compare head-group counts each at its
 own plan).
 
-For every shape: the split ``plan_splits`` picks, then the planned call timed (bench's method:
-CUDA-graph replay, ``do_bench`` median with its L2 clear) with the split count forced to
-each candidate (every count that equal chunk ranges give, ``split_candidates``, up to
-``MAX_SPLITS``) by ``dispatch.PlanOverrides``; the kernels are the shipped ones. Prints one
-line per shape: us per split count, the best marked with *.
+For every shape: the split the dispatch picks for the call on this GPU
+(``dispatch.selection.select_kernels``, with the head groups ``--head-groups`` forces), then
+the planned call timed (bench's method: CUDA-graph replay, ``do_bench`` median with its L2
+clear) with the split count forced to each candidate (every count that equal chunk ranges
+give, ``split_candidates``, up to ``MAX_SPLITS``) by ``dispatch.PlanOverrides``; the kernels
+are the shipped ones. Prints one line per shape: us per split count, the best marked with *.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import sys
 import torch
 
 
-from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 from dispatch import PlanOverrides, validate_call
-from dispatch.splits import MAX_SPLITS, plan_splits
+from dispatch.selection import select_kernels
+from dispatch.splits import MAX_SPLITS
 from dispatch.testing import make_cache
-from dispatch.variants import partial_shape_config
 from scripts.bench import NUM_BLOCKS, PAGE, graph_time_us, inputs, plan_runner
 
 
@@ -54,17 +54,14 @@ def main(argv=None) -> int:
     cpu_gen = torch.Generator().manual_seed(0)
     caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
               make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
-    props = torch.cuda.get_device_properties(0)
     for spec in specs:
         T, H, shape = spec.split("x", 2)
         T, H = int(T), int(H)
         q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
-        call = validate_call(q, cache, idx, **kw)
-        cfg = partial_shape_config(H, T, props.multi_processor_count, precision or DEFAULT_PRECISION,
-                                   topk=call.topk, extra_topk=call.extra_topk,
-                                   smem_per_sm=props.shared_memory_per_multiprocessor, head_groups=groups)
-        chosen = plan_splits(T, H, call.topk, call.extra_topk, cfg=cfg, num_sms=props.multi_processor_count,
-                             smem_per_sm=props.shared_memory_per_multiprocessor)
+        call = validate_call(q, cache, idx, precision=precision, **kw)
+        selection = select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision,
+                                   PlanOverrides(head_groups=groups))
+        chosen = selection.split
         candidates = {chosen.num_splits} if plan_only else split_candidates(chosen.num_chunks) | {chosen.num_splits}
         times = {}
         for s in sorted(candidates):
@@ -72,7 +69,7 @@ def main(argv=None) -> int:
                                                  PlanOverrides(head_groups=groups, num_splits=s)))
         best = min(times, key=times.get)
         cells = " ".join(f"{s}:{us:.1f}{'*' if s == best else ''}" for s, us in times.items())
-        label = f"{spec} g{cfg.head_groups}"
+        label = f"{spec} g{selection.head_groups}"
         print(f"{label:>17} chosen {chosen.num_splits:>3} ({times[chosen.num_splits]:.1f} us)  {cells}", flush=True)
     return 0
 

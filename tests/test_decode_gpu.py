@@ -16,10 +16,10 @@ import torch
 
 from cute_kernels.arch import arch_for_capability
 from cute_kernels.sparse_mla_decode.reference import reference_decode
-from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode
-from dispatch.splits import plan_splits, two_bounded_f16_ctas_fit
+from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode, validate_call
+from dispatch.selection import select_kernels
+from dispatch.splits import two_bounded_f16_ctas_fit
 from dispatch.testing import make_cache, make_indices
-from dispatch.variants import partial_shape_config
 from tests.inputs import lengths_of, sink_of
 from tests.tolerances import ACCURACY, check_against_reference, rounding_floor, seed_for
 
@@ -188,14 +188,11 @@ def test_decode_matches_reference(case: Case, precision: str):
         assert got_out is out and got_lse is lse, "out/lse given must be written in place and returned"
 
     outs = run_twice(case, q, idx, call, seed)
-    props = torch.cuda.get_device_properties(device)
-    cfg = partial_shape_config(case.H, case.T, props.multi_processor_count, precision,
-                               topk=case.topk, extra_topk=case.extra_topk or 0,
-                               smem_per_sm=props.shared_memory_per_multiprocessor)
-    plan = plan_splits(case.T, case.H, case.topk, case.extra_topk or 0, cfg=cfg,
-                       num_sms=props.multi_processor_count, smem_per_sm=props.shared_memory_per_multiprocessor)
+    validated = validate_call(q, cache, idx, precision=precision, **kw)  # the dispatch's choice, for the label
+    chosen = select_kernels(validated.launch_metadata, validated.arch, validated.num_sms, validated.smem_per_sm,
+                            validated.precision)
     check_case(case, precision, seed, outs, q, cache, idx, kw,
-               f"{precision} groups={cfg.head_groups} splits={plan.num_splits}")
+               f"{precision} groups={chosen.head_groups} splits={chosen.num_splits}")
 
 
 # "f16" with two head groups (32-head CTAs): what the dispatch picks on sm_120 for many heads

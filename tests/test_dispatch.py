@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.cache_format import read_cache_view
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
@@ -23,7 +24,10 @@ from dispatch.api import ValidatedCall
 from dispatch.lse import convert_lse
 from dispatch.metadata import GENERIC_MODEL_TYPE, DecodeMetadata
 from dispatch.plan import DecodePlan
-from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM, registry_calls, registry_variants
+from dispatch.registry import (
+    DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS, H200_SMEM_PER_SM, SM120_SMEM_PER_SM, deployment_calls, registry_calls,
+    registry_variants,
+)
 from dispatch.splits import MAX_SPLITS, SplitPlan, plan_splits, resident_ctas_per_sm, two_ctas_per_sm
 from dispatch.variants import (
     head_groups_for, partial_shape_config, precisions_for, resolve_precision, variant_space, variants_for,
@@ -768,20 +772,102 @@ def test_adapters_refuse_an_unknown_lse_convention_first(adapter):
 
 
 # ---------------------------------------------------------------------- plans on CPU tensors
-def _cpu_plan(monkeypatch, precision="f16", **kwargs):
-    """A plan built on CPU tensors for sm_120a (``validate_call``'s ``_target``), with its
-    kernels stubbed: its checks run, nothing is compiled or launched."""
+def _stub_kernels(monkeypatch):
+    """Plans whose kernels are stubbed: their checks run, nothing is compiled or launched."""
     from dispatch import loader
-    from dispatch.api import validate_call
-    from dispatch.plan import DecodePlan
 
     monkeypatch.setattr(loader, "get_compiled", lambda variant: None)
     monkeypatch.setattr(DecodePlan, "_make_kernels", lambda self, values: [])
+
+
+def _cpu_plan(monkeypatch, precision="f16", **kwargs):
+    """A plan built on CPU tensors for sm_120a (``validate_call``'s ``_target``), with its
+    kernels stubbed: its checks run, nothing is compiled or launched."""
+    from dispatch.api import validate_call
+
+    _stub_kernels(monkeypatch)
     base = _inputs()
     base.update(kwargs)
     call = validate_call(base.pop("q"), base.pop("kv_cache"), base.pop("indices"), precision=precision,
                          _target=("sm_120a", 188, SM120_SMEM_PER_SM), **base)
     return DecodePlan(call), call
+
+
+def _deployment_call_inputs(md: DecodeMetadata, caches: dict) -> dict:
+    """CPU inputs of the call ``md`` describes, as ``validate_call`` takes them. q, out, lse and
+    the index lists are broadcast views of one row (the layout checks pass them; a plan never
+    reads them), so that a 4096-token call costs no memory; ``caches``: by (format, page)."""
+    fmt = FORMATS[md.kv_format]
+    T, H = md.num_tokens, md.num_heads
+
+    def cache(page):
+        key = (md.kv_format, page)
+        if key not in caches:
+            caches[key] = make_cache(2, page, device="cpu", kv_format=md.kv_format)
+        return caches[key]
+
+    def rows(*shape, dtype):
+        return torch.zeros(shape[-1], dtype=dtype).expand(*shape)
+
+    kw = dict(q=rows(T, H, md.d_qk, dtype=torch.bfloat16), kv_cache=cache(md.page_block_size),
+              indices=rows(T, md.topk, dtype=torch.int32), out=rows(T, H, fmt.d_v, dtype=torch.bfloat16),
+              lse=rows(T, H, dtype=torch.float32), kv_format=md.kv_format)
+    if md.has_topk_length:
+        kw["topk_length"] = torch.zeros(T, dtype=torch.int32)
+    if md.has_sink:
+        kw["attn_sink"] = torch.zeros(H, dtype=torch.float32)
+    if md.extra_topk:
+        kw["extra_kv_cache"] = cache(md.extra_page_block_size)
+        kw["extra_indices"] = rows(T, md.extra_topk, dtype=torch.int32)
+        if md.has_extra_topk_length:
+            kw["extra_topk_length"] = torch.zeros(T, dtype=torch.int32)
+    return kw
+
+
+# every 61st deployment call of each (arch, precision): 61 is prime to the grid's strides (24
+# token and SM counts per shape and flags), so the sample walks through the tokens, SM counts,
+# optional inputs, shapes and formats alike (the test asserts it reaches all of them)
+_REGISTRY_SAMPLE_STRIDE = 61
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_90a"])
+def test_registry_is_what_plans_select(monkeypatch, arch):
+    """The AOT registry is what the dispatch selects: for a sample of the deployment calls of
+    every compute path, a ``DecodePlan`` built as a call builds it (``validate_call`` on CPU
+    tensors of that shape, for ``arch``, each SM count and its shared memory per SM) describes
+    the call as the registry does, selects what ``registry_calls`` yields for it and launches
+    only variants of ``registry_variants(arch)``."""
+    from dispatch.api import validate_call
+
+    _stub_kernels(monkeypatch)
+    smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
+    registry = set(registry_variants(arch))
+    caches, seen = {}, set()
+    for precision in precisions_for(arch):
+        calls = zip(deployment_calls(precision, arch), registry_calls(precision, arch))
+        for i, ((md, sms), (registry_md, splits, groups, two)) in enumerate(calls):
+            if i % _REGISTRY_SAMPLE_STRIDE:
+                continue
+            assert registry_md == md
+            call = validate_call(**_deployment_call_inputs(md, caches), precision=precision, for_plan=True,
+                                 _target=(arch, sms, smem_per_sm))
+            assert call.launch_metadata == md, (call.launch_metadata, md)
+            plan = DecodePlan(call)
+            what = (precision, sms, md)
+            assert plan.split.num_splits == splits, what
+            assert plan.variants == variants_for(md, arch, splits, groups, precision=precision,
+                                                 two_ctas_per_sm=two), what
+            assert set(plan.variants) <= registry, what
+            seen.update({("format", md.kv_format), ("precision", precision), ("tokens", md.num_tokens),
+                         ("sms", sms), ("len", md.has_topk_length), ("sink", md.has_sink),
+                         ("extra", md.extra_topk > 0), ("extra_len", md.has_extra_topk_length),
+                         ("splits", splits > 1), ("groups", groups), ("two", two)})
+    expected = ({("format", f) for f in FORMATS} | {("precision", p) for p in precisions_for(arch)}
+                | {("tokens", t) for t in DEPLOYMENT_NUM_TOKENS} | {("sms", n) for n in DEPLOYMENT_SM_COUNTS}
+                | {(flag, b) for flag in ("len", "sink", "extra", "extra_len", "splits") for b in (False, True)}
+                | {("groups", g) for g in (1, 2)} | {("two", False)})
+    assert expected <= seen, sorted(expected - seen)
+    assert ("two", True) in seen or arch != "sm_90a"  # the H200's bounded "f16" kernels are sampled too
 
 
 def _misaligned(t: torch.Tensor, offset_bytes: int) -> torch.Tensor:
