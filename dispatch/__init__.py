@@ -1,6 +1,6 @@
 """Dispatch: decode metadata -> compiled kernel variant -> launch. The public API lives here.
 
-- ``sparse_mla_decode``: one call, validated in full (the torch custom op
+- ``sparse_mla_decode``: one call, its layout validated once and its plan reused (the torch custom op
   ``torch.ops.dsv4_mla.sparse_mla_decode`` calls it), on a cache of any format of
   ``dispatch.kv_formats`` (``FORMATS``; ``pack`` / ``unpack`` make and read caches);
 - ``plan_sparse_mla_decode``: validate once, then ``plan.run`` / ``plan.bind(...).run()`` on

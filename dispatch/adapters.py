@@ -2,7 +2,10 @@
 
 - ``flash_mla_with_kvcache``: FlashMLA's sparse FP8 decode, on DeepSeek-V4's MODEL1 cache and
   on DeepSeek-V3.2's 656-byte rows (the format from the cache's width);
-- ``trtllm_batch_decode_sparse_mla_dsv4``: FlashInfer's DeepSeek-V4 call (MODEL1 caches);
+- ``flash_mla_with_kvcache_sm120``: SGLang's SM120 DeepSeek-V4 call (FlashMLA's keyword
+  names, SGLang's 256-token pages read in place);
+- ``trtllm_batch_decode_sparse_mla_dsv4``: FlashInfer's DeepSeek-V4 call (MODEL1 caches), the
+  one vLLM's DeepSeek-V4 / V4.1 attention makes on SM12x;
 - ``trtllm_batch_decode_with_kv_cache_mla``: FlashInfer's MLA decode in the sparse form its
   SM120 backend serves for the FP32-scale formats (DeepSeek-V3.2 and GLM-5.x's 656-byte rows,
   GLM-5.3's rope-free rows), the call vLLM's SM120 sparse backend makes for these models.
@@ -22,7 +25,7 @@ import torch
 from cute_kernels.sparse_mla_decode.cache_format import format_of
 from cute_kernels.sparse_mla_decode.kv_format import D_V, FORMATS, MODEL1_FP8, KvFormat
 
-from .api import sparse_mla_decode
+from .api import one_shot_decode, sparse_mla_decode
 from .lse import LSE_CONVENTIONS, check_convention, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
 
@@ -103,15 +106,54 @@ def flash_mla_with_kvcache(
     return out, convert_lse(lse, attn_sink, lse_convention).transpose(1, 2)
 
 
-# the format FlashInfer's DeepSeek-V4 call reads (its default "fp8" kv_cache_format)
+def flash_mla_with_kvcache_sm120(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float | None = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    lse_convention: str = "natural",
+    kv_format: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's ``flash_mla_with_kvcache_sm120`` (``sglang.kernels.ops.attention.flash_mla_sm120``,
+    read at sgl-project/sglang ffeb9f73, the 0.5.23 line): keyword arguments only, FlashMLA's
+    names, as SGLang's DeepSeek-V4 backend calls it on SM120.
+
+    ``q [T, 1, H, 512]`` bf16 (SGLang pads decode heads to 64: every head given is served);
+    ``k_cache`` SGLang's SWA pool on its own 256-token pages, ``[num_pages, 256, 1, 584]``
+    over a ``[num_pages, page_bytes]`` buffer (read in place: no page split, no copy);
+    ``indices [T, 1, topk]`` int32 pool slots (page * 256 + offset, -1: none);
+    ``topk_length [T]``; ``attn_sink [H]`` float32; the compressed cache
+    ``extra_k_cache [num_pages, 64 or 2, 1, 584]`` with ``extra_indices_in_kvcache
+    [T, 1, extra_topk]`` and ``extra_topk_length [T]``. ``softmax_scale`` None is
+    ``d_qk ** -0.5``, as SGLang's function defaults it. Returns ``(out [T, 1, H, 512] bf16,
+    lse [T, H, 1] float32)`` (FlashMLA's layouts; SGLang's FlashInfer path returns no lse),
+    the lse in ``lse_convention``. ``flash_mla_with_kvcache`` with these keyword names.
+    """
+    return flash_mla_with_kvcache(q, k_cache, None, None, head_dim_v, softmax_scale=softmax_scale,
+                                  is_fp8_kvcache=True, indices=indices, attn_sink=attn_sink,
+                                  extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
+                                  topk_length=topk_length, extra_topk_length=extra_topk_length,
+                                  lse_convention=lse_convention, kv_format=kv_format)
+
+
+# the format FlashInfer's DeepSeek-V4 call reads on SM120 (its default "fp8" kv_cache_format;
+# DeepSeek-V4.1's model code keeps this record on SM120 too)
 _DSV4_FORMAT = MODEL1_FP8.name
+_DSV4_BACKENDS = ("auto", "sparse")
 
 
 def trtllm_batch_decode_sparse_mla_dsv4(
     query: torch.Tensor,
     swa_kv_cache: torch.Tensor,
     workspace_buffer: torch.Tensor | None,
-    sparse_indices: torch.Tensor,
+    sparse_indices: torch.Tensor | None = None,
     compressed_kv_cache: torch.Tensor | None = None,
     sparse_topk_lens: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
@@ -126,57 +168,128 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     swa_topk_lens: torch.Tensor | None = None,
     extra_sparse_indices: torch.Tensor | None = None,
     extra_sparse_topk_lens: torch.Tensor | None = None,
+    backend: str = "auto",
+    hca_swa_indices: torch.Tensor | None = None,
+    hca_compressed_block_tables: torch.Tensor | None = None,
+    hca_seq_lens: torch.Tensor | None = None,
+    hca_is_causal: bool = True,
+    hca_use_persistent: bool = False,
+    hca_sparse_indices_format: str | None = None,
     *,
+    num_valid_heads: int | None = None,
     return_lse: bool = False,
     lse_convention: str = "log2_with_sink",
 ):
-    """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` call shape (its SM120 segment form).
+    """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (``flashinfer.decode``; the signature
+    of flashinfer-ai/flashinfer fb28d724, ``flashinfer/mla/_core.py``) in its SM120 form: the
+    function vLLM's DeepSeek-V4 and V4.1 attention calls on SM12x
+    (``DeepseekV4FlashInferSM120Attention._forward_decode`` / ``_forward_prefill`` in
+    ``vllm/models/deepseek_v4/nvidia/flashinfer_sparse.py`` and ``deepseek_v41/nvidia/``,
+    read at local-inference-lab/vllm 3b758166; ``dispatch.engine_plugins`` switches vLLM to
+    this function).
 
-    DeepSeek-V4's call: both caches are MODEL1 caches (``[num_blocks, P, 1, 584]`` or HND).
-    ``query [B, S, H, 512]`` or ``[B, H, 512]``; the main list is ``sparse_indices`` into
-    ``swa_kv_cache`` with lengths ``swa_topk_lens`` (``sparse_topk_lens`` is accepted as the
-    same thing; not both); the extra list is ``extra_sparse_indices`` into
-    ``compressed_kv_cache`` with ``extra_sparse_topk_lens``. ``bmm1_scale`` is the softmax
-    scale; ``bmm2_scale`` must be 1 (the cache carries its own scales). ``seq_lens``,
-    ``max_q_len``, ``enable_pdl`` and ``workspace_buffer`` are accepted and not needed.
+    vLLM's call: ``query [T, H, 512]`` bf16 (heads zero-padded to 8/16/32/64/128),
+    ``swa_kv_cache [num_blocks, 64, 1, 584]`` uint8 (page 64, blocks 37,440 bytes apart),
+    ``sparse_indices [T, window]`` int32 slots with ``swa_topk_lens [T]``,
+    ``compressed_kv_cache [num_blocks, 64 or 2, 1, 584]`` with ``extra_sparse_indices
+    [T, 1, K]`` global slots (the ratio-128 layers at the full buffer width, e.g. 8192, the
+    real count in ``extra_sparse_topk_lens [T]``), ``out [T, H, 512]``, ``bmm1_scale`` the
+    softmax scale, ``sinks [H]`` float32, ``kv_layout="NHD"``. Both caches are MODEL1 caches
+    (``[num_blocks, P, 1, 584]`` for "NHD", ``[num_blocks, 1, P, 584]`` for "HND"); a
+    ``[B, S, H, 512]`` query takes ``[B, S, topk]`` lists. ``sparse_topk_lens`` is accepted as
+    the main list's lengths (not with ``swa_topk_lens``); ``bmm2_scale`` must be 1 (the cache
+    carries its own scales); ``seq_lens``, ``max_q_len``, ``enable_pdl`` and
+    ``workspace_buffer`` are accepted and not needed; ``backend`` must be "auto" or "sparse";
+    ragged queries (``cum_seq_lens_q``) and the ``hca_*`` inputs are refused.
+
+    ``num_valid_heads`` (not FlashInfer's): the caller says that only the first
+    ``num_valid_heads`` query heads are real and the rest padding; those are neither read
+    nor computed, and their rows of ``out`` are left as they are. By default every head is
+    served as given.
+
     Returns ``out`` (and, with ``return_lse``, the lse in ``lse_convention``, by default
-    FlashInfer's log2 with the sink folded in, shaped like ``out`` without its last dim).
+    FlashInfer's log2 with the sink folded in, shaped like ``out`` without its last dim, and
+    ``num_valid_heads`` wide when that is given). ``bmm1_scale`` may be a one-element tensor,
+    read to the host (a synchronization) as a number.
     """
-    _check_convention(lse_convention, query)
-    fmt = FORMATS[_DSV4_FORMAT]
-    if cum_seq_lens_q is not None:
-        _refuse(f"cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, {fmt.d_qk}]", query,
-                fmt.name)
-    if bmm2_scale != 1.0:
-        _refuse(f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}", query, fmt.name)
-    if sparse_topk_lens is not None and swa_topk_lens is not None:
-        _refuse("pass the main list's lengths once: sparse_topk_lens or swa_topk_lens, not both", query, fmt.name)
-    if kv_layout not in ("HND", "NHD"):
-        _refuse(f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}", query, fmt.name)
-    for name, cache in (("swa_kv_cache", swa_kv_cache), ("compressed_kv_cache", compressed_kv_cache)):
-        if isinstance(cache, torch.Tensor) and cache.dim() == 4:
-            head_axis = 1 if kv_layout == "HND" else 2  # [nb, 1, P, W] or [nb, P, 1, W]
-            if cache.shape[head_axis] != 1:
-                _refuse(f"{name} of shape {list(cache.shape)} is not laid out as kv_layout={kv_layout!r}", query,
-                        fmt.name)
-    if (compressed_kv_cache is None) != (extra_sparse_indices is None):
-        _refuse("compressed_kv_cache and extra_sparse_indices go together: pass both or neither", query, fmt.name)
-    lengths = swa_topk_lens if swa_topk_lens is not None else sparse_topk_lens
-    squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
-    q = query.unsqueeze(1) if squeeze else query
-    idx = sparse_indices.unsqueeze(1) if squeeze and sparse_indices.dim() == 2 else sparse_indices
-    e_idx = extra_sparse_indices
-    if squeeze and e_idx is not None and e_idx.dim() == 2:
-        e_idx = e_idx.unsqueeze(1)
-    o = None if out is None else (out.unsqueeze(1) if squeeze else out)
-    result, lse = sparse_mla_decode(q, swa_kv_cache, idx, sm_scale=float(bmm1_scale), topk_length=lengths,
-                                    attn_sink=sinks, extra_kv_cache=compressed_kv_cache, extra_indices=e_idx,
-                                    extra_topk_length=extra_sparse_topk_lens, out=o, kv_format=_DSV4_FORMAT)
-    if squeeze:
-        result, lse = result.squeeze(1), lse.squeeze(1)
+    if lse_convention not in LSE_CONVENTIONS:
+        _check_convention(lse_convention, query)
+    problem = _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
+                            compressed_kv_cache, extra_sparse_indices, backend, hca_swa_indices,
+                            hca_compressed_block_tables, hca_seq_lens, hca_use_persistent, hca_sparse_indices_format)
+    if problem is not None:
+        _refuse(problem, query, _DSV4_FORMAT)
+    if type(bmm1_scale) is not float and isinstance(bmm1_scale, (int, float, torch.Tensor)) \
+            and not isinstance(bmm1_scale, bool):
+        if isinstance(bmm1_scale, torch.Tensor) and bmm1_scale.numel() != 1:
+            _refuse(f"bmm1_scale must be a number or a one-element tensor, got shape {list(bmm1_scale.shape)}",
+                    query, _DSV4_FORMAT)
+        bmm1_scale = float(bmm1_scale)  # FlashInfer takes a number or a one-element tensor (read to the host)
+    q, o, sink = query, out, sinks
+    if num_valid_heads is not None:
+        q, o, sink = _valid_heads(query, out, sinks, num_valid_heads)
+    result, lse = one_shot_decode(q, swa_kv_cache, sparse_indices, bmm1_scale,
+                                  sparse_topk_lens if swa_topk_lens is None else swa_topk_lens, sink,
+                                  compressed_kv_cache, extra_sparse_indices, extra_sparse_topk_lens, o, None,
+                                  "natural", None, _DSV4_FORMAT, keep_lse=return_lse, caller_tag=kv_layout,
+                                  caller_check=lambda: _check_kv_layout(query, kv_layout, swa_kv_cache=swa_kv_cache,
+                                                                        compressed_kv_cache=compressed_kv_cache))
+    if o is not out:
+        result = out
     if not return_lse:
         return result
-    return result, convert_lse(lse, sinks, lse_convention)
+    return result, convert_lse(lse, sink, lse_convention)
+
+
+def _check_kv_layout(query, kv_layout, **caches) -> None:
+    """Refuse a 4-D cache not laid out as ``kv_layout`` says (checked with the call's layout:
+    the plan cache's key holds ``kv_layout`` and the caches' shapes)."""
+    head_axis = 2 if kv_layout == "NHD" else 1  # [nb, P, 1, W] or [nb, 1, P, W]
+    for name, cache in caches.items():
+        if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.shape[head_axis] != 1:
+            _refuse(f"{name} of shape {list(cache.shape)} is not laid out as kv_layout={kv_layout!r} "
+                    f"({'[num_blocks, P, 1, 584]' if kv_layout == 'NHD' else '[num_blocks, 1, P, 584]'})", query,
+                    _DSV4_FORMAT)
+
+
+def _valid_heads(query, out, sinks, num_valid_heads):
+    """The first ``num_valid_heads`` heads of ``query``, ``out`` and ``sinks`` (views; ``out``
+    is required)."""
+    if isinstance(num_valid_heads, bool) or not isinstance(num_valid_heads, int) or not (
+            isinstance(query, torch.Tensor) and query.dim() >= 3 and 1 <= num_valid_heads <= query.shape[-2]):
+        _refuse(f"num_valid_heads must be an int in [1, num_heads], got {num_valid_heads!r}", query, _DSV4_FORMAT)
+    if not isinstance(out, torch.Tensor) or out.dim() != query.dim():
+        _refuse("num_valid_heads needs out (the padded heads' rows are left as they are)", query, _DSV4_FORMAT)
+    if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.shape[0] == query.shape[-2]:
+        sinks = sinks[:num_valid_heads]
+    return query[..., :num_valid_heads, :], out[..., :num_valid_heads, :], sinks
+
+
+def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
+                  compressed_kv_cache, extra_sparse_indices, backend, *hca) -> str | None:
+    """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found)."""
+    d_qk = FORMATS[_DSV4_FORMAT].d_qk
+    if cum_seq_lens_q is not None:
+        return (f"cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, {d_qk}] or "
+                f"[tokens, heads, {d_qk}]")
+    if isinstance(bmm2_scale, torch.Tensor) or bmm2_scale != 1.0:
+        return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}"
+    if kv_layout != "NHD" and kv_layout != "HND":
+        return f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}"
+    if sparse_topk_lens is not None and swa_topk_lens is not None:
+        return "pass the main list's lengths once: sparse_topk_lens or swa_topk_lens, not both"
+    if sparse_indices is None:
+        return "sparse_indices is required (the main cache's slots per token)"
+    if (compressed_kv_cache is None) != (extra_sparse_indices is None):
+        return "compressed_kv_cache and extra_sparse_indices go together: pass both or neither"
+    if backend not in _DSV4_BACKENDS:
+        return f"backend must be one of {_DSV4_BACKENDS} (this library's kernels), got {backend!r}"
+    given = [name for name, value in zip(("hca_swa_indices", "hca_compressed_block_tables", "hca_seq_lens",
+                                          "hca_use_persistent", "hca_sparse_indices_format"), hca)
+             if value is not None and value is not False]
+    if given:
+        return f"FlashInfer's HCA inputs are not served (given: {', '.join(given)})"
+    return None
 
 
 # FlashInfer's kv_scale_format values for its packed FP32-scale sparse backend ("auto" and

@@ -1,6 +1,7 @@
 """Public API: ``sparse_mla_decode`` and ``plan_sparse_mla_decode``, sparse MLA decode on a
 paged FP8 cache of any format the library reads (``dispatch.kv_formats``), and the
-validation every call goes through."""
+validation every layout goes through (``validate_call``; the one-shot call's plans are then
+reused per layout, ``dispatch.plan_cache``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 
 from .lse import LSE_CONVENTIONS, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
+from .plan import RUN_TENSORS
+from .plan_cache import CachedPlan, PlanCache, layout_key
 from .variants import PRECISIONS, check_format_precision, resolve_precision
 
 INT32_MAX = 2**31 - 1  # the largest slot an int32 index can name
@@ -172,10 +175,11 @@ def _flatten_tokens(t: torch.Tensor, keep: int, name: str, check: _Checker) -> t
 
 
 def _lengths(t, name: str, num_tokens: int, lead: tuple, device, check: _Checker):
-    """``t`` viewed as [num_tokens]; refused unless that view is the tensor itself, contiguous
-    (the kernels read ``num_tokens`` int32 from its data pointer)."""
+    """``t`` (``[T]``, ``[T, 1]`` or q's leading dims) viewed as [num_tokens]; refused unless
+    that view is the tensor itself, contiguous (the kernels read ``num_tokens`` int32 from its
+    data pointer)."""
     check.tensor(t, name, torch.int32, device)
-    if tuple(t.shape) not in {(num_tokens,), tuple(lead)}:
+    if tuple(t.shape) not in {(num_tokens,), (num_tokens, 1), tuple(lead)}:
         check.fail(f"{name} has shape {list(t.shape)}, expected [{num_tokens}] (one length per query token)")
     try:
         flat = t.view(num_tokens)
@@ -207,8 +211,6 @@ def _indices(t, name: str, lead: tuple, num_tokens: int, device, check: _Checker
 class ValidatedCall:
     """A call whose inputs passed every check, with what planning and launching need."""
 
-    TENSORS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_cache", "extra_indices",
-               "extra_topk_length", "out", "lse")
     q: torch.Tensor
     kv_cache: torch.Tensor
     indices: torch.Tensor
@@ -240,21 +242,12 @@ class ValidatedCall:
 
         return {"q": ptr(self.q), "main": ptr(self.kv_cache), "indices": ptr(self.indices),
                 "topk_length": ptr(self.topk_length), "attn_sink": ptr(self.attn_sink), "out": ptr(self.out),
-                "lse": ptr(self.lse), "extra": ptr(self.extra_kv_cache) or ptr(self.kv_cache),
+                "lse": ptr(self.lse), "extra": ptr(self.extra_kv_cache),
                 "extra_indices": ptr(self.extra_indices), "extra_topk_length": ptr(self.extra_topk_length)}
 
     @property
     def fmt(self) -> KvFormat:
         return self.main.fmt
-
-    def plan_key(self) -> tuple:
-        """What a cached plan must match: the device, the compute path, the cache format (the
-        same tensor layout can hold two formats: GLM-5.3 rows in 656-byte pool rows) and
-        every tensor's layout."""
-        from .plan import layout_signature
-
-        return ((self.device_index, self.precision, self.fmt.name)
-                + tuple(layout_signature(getattr(self, n)) for n in self.TENSORS))
 
 
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
@@ -379,8 +372,14 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
 
 # ---------------------------------------------------------------------- public API
-_PLANS: dict = {}
-_MAX_PLANS = 256
+# the one-shot call's validated plans, by layout key (``plan_cache``)
+ONE_SHOT_PLANS = PlanCache()
+
+
+def clear_plan_cache() -> None:
+    """Drop the one-shot call's cached plans and scratch buffers (``dispatch.plan_cache``);
+    the next call of each layout validates and plans again."""
+    ONE_SHOT_PLANS.clear()
 
 
 def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
@@ -473,6 +472,56 @@ def sparse_mla_decode(
         InvalidDecodeInput (a ValueError): before any GPU work, for an input this function
         cannot serve; the message names the call's shape and what was expected.
     """
+    return one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                           extra_topk_length, out, lse, lse_convention, precision, kv_format)
+
+
+def one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                    extra_topk_length, out, lse, lse_convention, precision, kv_format, keep_lse=True,
+                    caller_tag=None, caller_check=None):
+    """``sparse_mla_decode``, its arguments positional (what the adapters call).
+
+    ``keep_lse=False`` (an adapter that returns no lse, with ``lse=None``): the kernels write
+    the lse into a buffer the plan cache keeps, and the lse returned must not be used.
+    ``caller_check``: an adapter's own checks of the tensors' layouts (a callable that
+    raises), run only when the layout is validated, with ``caller_tag`` (what those checks
+    depend on beyond the layouts, hashable) part of the layout key.
+
+    A call whose layout was validated before (``dispatch.plan_cache``) pays the layout key,
+    one lookup, the address checks and the launches; any other is validated in full."""
+    given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
+             extra_topk_length)  # DecodePlan.run's tensor order
+    try:
+        key = layout_key(given, kv_format, precision, caller_tag)
+        entry = ONE_SHOT_PLANS.get(key)
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, strideless, unhashable: validate_call says
+        key = entry = None
+    if entry is not None and lse_convention in LSE_CONVENTIONS:
+        # the layout was validated before: only the addresses and the scale are new
+        new_out, new_lse = out, lse
+        if out is None or lse is None:
+            new_out = entry.new_out() if out is None else out
+            new_lse = lse if lse is not None else entry.new_lse() if keep_lse else entry.discarded_lse()
+            given = (q, kv_cache, indices, topk_length, attn_sink, new_out, new_lse, extra_kv_cache, extra_indices,
+                     extra_topk_length)
+        plan = entry.plan
+        if plan.launch_laid_out(given, sm_scale, ONE_SHOT_PLANS.scratch(plan) if plan.scratch_bytes else None):
+            if lse_convention != "natural":
+                new_lse.copy_(convert_lse(new_lse, attn_sink, lse_convention))
+            return new_out, new_lse
+    if caller_check is not None:
+        caller_check()
+    return _validated_one_shot(key, entry, q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length,
+                               attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                               extra_topk_length=extra_topk_length, out=out, lse=lse, lse_convention=lse_convention,
+                               precision=precision, kv_format=kv_format)
+
+
+def _validated_one_shot(key, entry, q, kv_cache, indices, *, sm_scale, topk_length, attn_sink, extra_kv_cache,
+                        extra_indices, extra_topk_length, out, lse, lse_convention, precision, kv_format):
+    """A one-shot call validated in full: its layout is not in the plan cache (``entry`` None),
+    or the cached plan declined its addresses or scale (which this refuses). Plans and caches
+    the plan under ``key`` (None: not cacheable), then launches."""
     from .plan import DecodePlan
 
     if lse_convention not in LSE_CONVENTIONS:
@@ -485,14 +534,14 @@ def sparse_mla_decode(
                          kv_format=kv_format)
     if call.num_tokens == 0:
         return call.out, call.lse
-    key = call.plan_key()
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = DecodePlan(call)
-    scratch = plan.new_scratch()
-    plan.launch(call.pointers(), call.sm_scale, 0 if scratch is None else scratch.data_ptr())
+    if entry is None:
+        entry = CachedPlan(DecodePlan(call), call.out, call.lse)
+        if key is not None:
+            entry = ONE_SHOT_PLANS.put(key, entry)
+    given = tuple(getattr(call, name) for name, _ in RUN_TENSORS)
+    scratch = ONE_SHOT_PLANS.scratch(entry.plan)
+    if not entry.plan.launch_laid_out(given, call.sm_scale, scratch):
+        raise RuntimeError("internal error: a validated call failed the plan's address checks; please report it")
     out, lse = call.out, call.lse
     if lse_convention != "natural":
         lse.copy_(convert_lse(lse, attn_sink, lse_convention))

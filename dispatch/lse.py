@@ -6,10 +6,11 @@ derived here, on the device, from it and the sink:
 - ``"natural"``: ln(sum_j exp(s_j)) with the sink NOT folded in (FlashMLA's, and this
   library's); +inf for a token with no valid entry.
 - ``"log2_with_sink"``: log2(sum_j exp(s_j) + exp(sink_h)) (FlashInfer's sparse MLA decode,
-  its default); for a token with no valid entry that is sink_h * log2(e), or -inf without a
-  sink.
+  its default, and ``SparseMLASm120Wrapper.run(..., return_lse=True)``'s); for a token with
+  no valid entry that is sink_h * log2(e), or -inf without a sink.
 - ``"natural_with_sink"``: ln(sum_j exp(s_j) + exp(sink_h)) (FlashInfer's with
-  ``return_lse_base="basee"``); for a token with no valid entry sink_h, or -inf without a sink.
+  ``return_lse_base="basee"``, and the wrapper's with ``lse_scale=math.log(2)``); for a token
+  with no valid entry sink_h, or -inf without a sink.
 
 Mixing conventions has caused bugs in serving engines, so the API never implies one: every
 entry point that returns an lse names its convention in an argument.

@@ -54,13 +54,13 @@ class Bind:
 
 # run()'s and bind()'s tensor arguments, the one list of them: (argument name, address key in
 # the bindings); the order of every per-call value list below
-_RUN_TENSORS = (("q", "q"), ("kv_cache", "main"), ("indices", "indices"), ("topk_length", "topk_length"),
+RUN_TENSORS = (("q", "q"), ("kv_cache", "main"), ("indices", "indices"), ("topk_length", "topk_length"),
                 ("attn_sink", "attn_sink"), ("out", "out"), ("lse", "lse"), ("extra_kv_cache", "extra"),
                 ("extra_indices", "extra_indices"), ("extra_topk_length", "extra_topk_length"))
 # those arguments' values, in that order, from the locals of run() / bind()
-_given = operator.itemgetter(*(name for name, _ in _RUN_TENSORS))
+_given = operator.itemgetter(*(name for name, _ in RUN_TENSORS))
 # every per-call value a Bind can name, by its position in the list run() fills
-_VALUE_KEYS = tuple(key for _, key in _RUN_TENSORS) + ("sm_scale_log2", "scratch", "stream")
+_VALUE_KEYS = tuple(key for _, key in RUN_TENSORS) + ("sm_scale_log2", "scratch", "stream")
 _POSITION = {key: i for i, key in enumerate(_VALUE_KEYS)}
 
 
@@ -86,6 +86,7 @@ class DecodePlan:
         selection = select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision,
                                    overrides)
         self.device_index = call.device_index
+        self.device = call.q.device
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
@@ -105,8 +106,8 @@ class DecodePlan:
             self.scratch_bytes += SCRATCH_ALIGN  # room to align the start
         # the exact layout every run must present: (name, (shape, strides, dtype) or None), in
         # run()'s argument order
-        self._inputs = tuple((name, layout_signature(getattr(call, name))) for name, _ in _RUN_TENSORS)
-        present = {key for (_, key), (_, sig) in zip(_RUN_TENSORS, self._inputs) if sig is not None}
+        self._inputs = tuple((name, layout_signature(getattr(call, name))) for name, _ in RUN_TENSORS)
+        present = {key for (_, key), (_, sig) in zip(RUN_TENSORS, self._inputs) if sig is not None}
         values = self._argument_values(call, present)
         schemas = (PARTIAL_ARGS, MERGE_ARGS)[:len(self.variants)]
         self._args = [[values[a.name] for a in schema] for schema in schemas]
@@ -117,9 +118,9 @@ class DecodePlan:
             for a, v in zip(schema, args):
                 if isinstance(v, Bind) and a.kind == "ptr":
                     align[v.key] = max(align.get(v.key, 1), a.align)
-        self._aligns = tuple(align.get(key, 1) for _, key in _RUN_TENSORS)
+        self._aligns = tuple(align.get(key, 1) for _, key in RUN_TENSORS)
         self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
-        example = [call.pointers()[key] for _, key in _RUN_TENSORS] + [call.sm_scale * LOG2_E, 0, 0]
+        example = [call.pointers()[key] for _, key in RUN_TENSORS] + [call.sm_scale * LOG2_E, 0, 0]
         self._kernels = self._make_kernels(example)
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
 
@@ -191,7 +192,7 @@ class DecodePlan:
         return ValueError(
             f"DecodePlan.{caller}: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
             f"{t.device}; the plan was built for shape {list(expected[0])}, strides {list(expected[1])}, "
-            f"{expected[2]} on cuda:{self.device_index}"
+            f"{expected[2]} on {self.device}"
         )
 
     def _checked_values(self, caller, given, sm_scale, scratch) -> list:
@@ -200,7 +201,7 @@ class DecodePlan:
         for a tensor not laid out exactly as planned (shape, strides, dtype, device) or whose
         address lacks the alignment the kernels assume, so no address written into the
         kernels' arguments can lead a kernel outside its tensor or to a misaligned access."""
-        dev = self.device_index
+        dev = self.device
         values = []
         for (name, sig), align, t in zip(self._inputs, self._aligns, given):
             if sig is None:
@@ -209,7 +210,7 @@ class DecodePlan:
                 values.append(0)
                 continue
             try:
-                ok = t.dtype is sig[2] and t.get_device() == dev and t.stride() == sig[1] and t.shape == sig[0]
+                ok = t.dtype is sig[2] and t.device == dev and t.stride() == sig[1] and t.shape == sig[0]
             except AttributeError:  # None, or not a tensor
                 ok = False
             if not ok:
@@ -227,13 +228,13 @@ class DecodePlan:
         scratch_ptr = 0
         if self.scratch_bytes:
             try:
-                ok = (scratch.get_device() == dev and scratch.is_contiguous()
+                ok = (scratch.device == dev and scratch.is_contiguous()
                       and scratch.numel() * scratch.element_size() >= self.scratch_bytes)
             except AttributeError:
                 ok = False
             if not ok:
                 raise ValueError(f"DecodePlan.{caller}: scratch must be a contiguous buffer of at least "
-                                 f"{self.scratch_bytes} bytes on cuda:{dev} (plan.new_scratch())")
+                                 f"{self.scratch_bytes} bytes on {dev} (plan.new_scratch())")
             scratch_ptr = -(-scratch.data_ptr() // SCRATCH_ALIGN) * SCRATCH_ALIGN
         values.append(scratch_ptr)
         return values
@@ -260,11 +261,34 @@ class DecodePlan:
         tensors = tuple(t for t in given + (scratch if self.scratch_bytes else None,) if t is not None)
         return BoundDecode(self, self._make_kernels(values + [0]), tensors, out, lse)
 
-    def launch(self, pointers: dict, sm_scale: float, scratch_ptr: int) -> None:
-        """Launch on inputs whose layout is already checked (``validate_call`` for the one-shot
-        API); ``pointers`` as ``ValidatedCall.pointers()``."""
-        self._bind_and_launch([pointers[key] for _, key in _RUN_TENSORS]
-                              + [float(sm_scale) * LOG2_E, -(-scratch_ptr // SCRATCH_ALIGN) * SCRATCH_ALIGN])
+    def launch_laid_out(self, given: tuple, sm_scale, scratch) -> bool:
+        """Launch on tensors (``given``: run()'s tensor arguments in its order, None where
+        absent) whose layout is known to be the planned one: the one-shot call's plan cache
+        compared it (``plan_cache``). Checks only what the layout does not fix, each address's
+        alignment and the scale (a finite float or None), and returns False without
+        launching where one fails (the caller then validates the call in full, which says
+        why)."""
+        values = []
+        for t, align in zip(given, self._aligns):
+            if t is None:
+                values.append(0)
+                continue
+            address = t.data_ptr()
+            if address % align:
+                return False
+            values.append(address)
+        if sm_scale is None:
+            sm_scale = self.default_sm_scale
+        elif type(sm_scale) is not float:  # what validate_call accepts: a real Python number, not a bool
+            if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+                return False
+            sm_scale = float(sm_scale)
+        if not math.isfinite(sm_scale):
+            return False
+        values.append(sm_scale * LOG2_E)
+        values.append(0 if scratch is None else -(-scratch.data_ptr() // SCRATCH_ALIGN) * SCRATCH_ALIGN)
+        self._bind_and_launch(values)
+        return True
 
     def _bind_and_launch(self, values: list) -> None:
         """``values`` as ``_checked_values`` returns them; the stream is the current one."""

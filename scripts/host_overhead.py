@@ -3,12 +3,14 @@
     python -m scripts.host_overhead [--calls 3000]
 
 For a T=1 shape (H=16, topk=128) and a T=8 dual-cache shape, times back-to-back calls
-of (a) the one-shot ``sparse_mla_decode`` (validation + plan lookup + launch), (b) a held
-``DecodePlan.run``, (d) ``BoundDecode.run`` (``plan.bind``: tensors fixed, launch only) and
-(c) the replay of a CUDA graph of ``DecodePlan.run``. Wall time per call of (a)/(b)/(d)
-minus (c) is the host overhead the call adds beyond the GPU work; the
-host time of one call (no synchronization) is printed too, and how it divides between
-the bare kernel launches and run()'s input checks and argument binding.
+of (a) the one-shot ``sparse_mla_decode`` (after its first call: the layout key, the plan
+cache lookup and the launch), (v) the vLLM adapter ``trtllm_batch_decode_sparse_mla_dsv4``
+as vLLM calls it (``out`` given, no lse), (b) a held ``DecodePlan.run``, (d)
+``BoundDecode.run`` (``plan.bind``: tensors fixed, launch only) and (c) the replay of a
+CUDA graph of ``DecodePlan.run``. Per call it prints the wall time (GPU work included) and
+the host time (no synchronization); the last columns are the host time of (a) and (v) beyond
+``plan.run``'s, and how ``plan.run``'s divides between the bare kernel launches and its
+input checks and argument binding.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch import plan_sparse_mla_decode, sparse_mla_decode
+from dispatch.adapters import trtllm_batch_decode_sparse_mla_dsv4
 from dispatch.testing import make_cache, make_indices
 
 FORMAT = get_format(DEFAULT_FORMAT)  # MODEL1 caches: the shapes include an extra cache
@@ -69,6 +72,11 @@ def main(argv=None) -> int:
         with torch.cuda.graph(graph):
             run()
         one_shot = per_call_us(lambda: sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw), args.calls)
+        vllm_kw = dict(query=q, swa_kv_cache=cache, workspace_buffer=None, sparse_indices=idx, out=out,
+                       bmm1_scale=FORMAT.default_sm_scale, kv_layout="NHD")
+        if extra_topk:
+            vllm_kw.update(compressed_kv_cache=extra, extra_sparse_indices=kw["extra_indices"])
+        vllm = per_call_us(lambda: trtllm_batch_decode_sparse_mla_dsv4(**vllm_kw), args.calls)
         planned = per_call_us(run, args.calls)
         bound = plan.bind(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
         bound_run = per_call_us(bound.run, args.calls)
@@ -80,15 +88,15 @@ def main(argv=None) -> int:
         checks = per_call_us(run, args.calls)[1]
         plan._bind_and_launch = real
         name = f"T={T} H={H} topk={topk}" + (f"+{extra_topk}" if extra_topk else "")
-        rows.append((name, one_shot, planned, bound_run, replay, launches, checks, len(plan._kernels)))
+        rows.append((name, one_shot, vllm, planned, bound_run, replay, launches, checks, len(plan._kernels)))
     print("per call, microseconds: wall time of back-to-back calls (GPU work included) / host time of a call")
-    print(f"{'shape':<24} {'one-shot':>13} {'plan.run':>13} {'bound.run':>13} {'graph':>6} "
-          f"{'overhead: one-shot':>19} {'plan.run':>9} {'bound.run':>10} {'launches':>9} {'host: launches':>15} "
-          f"{'run checks':>11}")
-    for name, a, b, d, c, launch_host, check_host, n in rows:
-        print(f"{name:<24} {a[0]:>6.1f} /{a[1]:>5.1f} {b[0]:>6.1f} /{b[1]:>5.1f} {d[0]:>6.1f} /{d[1]:>5.1f} "
-              f"{c[0]:>6.1f} {a[0] - c[0]:>19.1f} {b[0] - c[0]:>9.1f} {d[0] - c[0]:>10.1f} {n:>9} "
-              f"{launch_host:>15.1f} {check_host:>11.1f}")
+    print(f"{'shape':<24} {'one-shot':>13} {'vLLM adapter':>13} {'plan.run':>13} {'bound.run':>13} {'graph':>6} "
+          f"{'kernels':>7} | {'host beyond plan.run: one-shot':>30} {'vLLM':>6} | {'plan.run host: launches':>23} "
+          f"{'checks':>7}")
+    for name, a, v, b, d, c, launch_host, check_host, n in rows:
+        print(f"{name:<24} {a[0]:>6.1f} /{a[1]:>5.1f} {v[0]:>6.1f} /{v[1]:>5.1f} {b[0]:>6.1f} /{b[1]:>5.1f} "
+              f"{d[0]:>6.1f} /{d[1]:>5.1f} {c[0]:>6.1f} {n:>7} | {a[1] - b[1]:>30.1f} {v[1] - b[1]:>6.1f} | "
+              f"{launch_host:>23.1f} {check_host:>7.1f}")
     return 0
 
 

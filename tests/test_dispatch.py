@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import math
 import re
+import threading
 import types
 
 import pytest
@@ -18,12 +19,14 @@ from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8
 from dispatch import InvalidDecodeInput, kv_formats, sparse_mla_decode
 from dispatch.adapters import (
-    flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4, trtllm_batch_decode_with_kv_cache_mla,
+    flash_mla_with_kvcache, flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4,
+    trtllm_batch_decode_with_kv_cache_mla,
 )
 from dispatch.api import ValidatedCall
 from dispatch.lse import convert_lse
 from dispatch.metadata import GENERIC_MODEL_TYPE, DecodeMetadata
 from dispatch.plan import DecodePlan
+from dispatch.plan_cache import PlanCache, layout_key
 from dispatch.registry import (
     DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS, H200_SMEM_PER_SM, SM120_SMEM_PER_SM, deployment_calls, registry_calls,
     registry_variants,
@@ -289,7 +292,7 @@ BAD = [
     ("extra cache with V3.2", V32, dict(extra_kv_cache=V32_CACHE, extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
      "an extra_kv_cache is not served with v32_fp8 caches"),
     ("length int64", {}, dict(topk_length=torch.zeros(2, dtype=torch.int64)), "topk_length must be int32"),
-    ("length shape", {}, dict(topk_length=torch.zeros(2, 1, dtype=torch.int32)), "topk_length has shape [2, 1]"),
+    ("length shape", {}, dict(topk_length=torch.zeros(2, 2, dtype=torch.int32)), "topk_length has shape [2, 2]"),
     ("length rows strided", _BATCHED, dict(topk_length=_STRIDED_ROWS), "topk_length must be contiguous"),
     ("extra length shape", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
                                     extra_indices=torch.zeros(2, 64, dtype=torch.int32),
@@ -504,14 +507,68 @@ def _validated(cache, kv_format, **fields) -> ValidatedCall:
                             "precision": "f16", **fields})
 
 
-def test_plan_keys_distinguish_formats():
-    """One tensor layout can hold two formats (GLM-5.3 rows in 656-byte pool rows, read as V3.2
-    rows too): the plan key holds the format, so their plans never mix."""
-    v32 = _validated(GLM_POOL_CACHE, V32_FP8.name).plan_key()
-    glm = _validated(GLM_POOL_CACHE, GLM_NOPE_FP8.name).plan_key()
-    assert v32 != glm and V32_FP8.name in v32 and GLM_NOPE_FP8.name in glm
-    assert glm == _validated(GLM_POOL_CACHE, GLM_NOPE_FP8.name).plan_key()
-    assert v32[3:] == glm[3:]  # the same layouts: only the format tells them apart
+def test_layout_keys_tell_every_layout_apart():
+    """The one-shot call's plan cache (``dispatch.plan_cache``) keys a call by its layout:
+    tensors that differ only in a stride, a dtype, a device or an optional input, and calls
+    that differ only in the format or precision they name, never share a key (so never a
+    plan); new values in new tensors of the same layout do."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(4, 16, 512, generator=gen).bfloat16()
+    cache = make_cache(4, 64, device="cpu", gen=gen)
+    idx = make_indices(4, 128, 256, device="cpu", gen=gen)
+    out, lse = torch.empty(4, 16, 512, dtype=torch.bfloat16), torch.empty(4, 16)
+    lens = torch.full((4,), 100, dtype=torch.int32)
+
+    def key(q=q, cache=cache, idx=idx, lens=None, out=out, kv_format=None, precision=None):
+        return layout_key((q, cache, idx, lens, None, out, lse, None, None, None), kv_format, precision)
+
+    base = key()
+    assert base == key(q=q.clone(), cache=make_cache(4, 64, device="cpu", gen=gen), idx=idx.clone(), out=out.clone())
+    variants = {
+        "strides": key(q=torch.empty(4, 16, 1024, dtype=torch.bfloat16)[..., :512]),
+        "dtype": key(idx=idx.long()),
+        "device": key(q=q.to("meta")),
+        "optional input": key(lens=lens),
+        "out allocated by the call": key(out=None),
+        "shape": key(idx=idx[:, :64]),
+        "named format": key(kv_format=MODEL1),
+        "precision": key(precision="bf16"),
+    }
+    for what, k in variants.items():
+        assert k != base, what
+    assert len(set(variants.values())) == len(variants)
+    with pytest.raises(AttributeError):  # not a tensor: the call is validated in full, which refuses it
+        key(q=[1.0])
+
+
+def test_plan_cache_is_bounded_and_thread_safe():
+    cache = PlanCache(capacity=3)
+    for k in "abc":
+        cache.put(k, k.upper())
+    cache.put("d", "D")  # the oldest goes
+    assert cache.get("a") is None and [cache.get(k) for k in "bcd"] == ["B", "C", "D"] and len(cache) == 3
+    assert cache.put("b", "other") == "B"  # the first plan of a key is kept (two threads planning at once)
+
+    shared = PlanCache(capacity=16)
+    errors = []
+
+    def worker(offset):
+        for i in range(2000):
+            k = (offset + i) % 40
+            got = shared.get(k)
+            if got is None:
+                got = shared.put(k, ("plan", k))
+            if got != ("plan", k):
+                errors.append((k, got))
+
+    threads = [threading.Thread(target=worker, args=(7 * n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(shared) == 16
+    shared.clear()
+    assert len(shared) == 0
 
 
 @pytest.mark.parametrize("kv_format,cache", [(MODEL1, None), (V32_FP8.name, V32_CACHE),
@@ -693,6 +750,60 @@ def test_dsv4_adapter_reads_model1_caches_only():
     text = _refused(trtllm_batch_decode_sparse_mla_dsv4, q, V32_CACHE, None, torch.zeros(2, 32, dtype=torch.int32),
                     kv_layout="NHD")
     assert text.startswith(MODEL1_FP8.model_type) and "expected [num_blocks, P, 1, 584]" in text
+
+
+def _vllm_dsv4_call(**overrides):
+    """The call vLLM's DeepSeek-V4 SM12x attention makes (CPU tensors: refused at the device
+    check when everything else is right)."""
+    T, H = 3, 8
+    cache = make_cache(4, 64, device="cpu", gen=torch.Generator().manual_seed(5))
+    kw = dict(query=torch.randn(T, H, 512).to(torch.bfloat16), swa_kv_cache=cache,
+              workspace_buffer=torch.empty(16, dtype=torch.uint8), sparse_indices=torch.zeros(T, 128, dtype=torch.int32),
+              compressed_kv_cache=cache, out=torch.empty(T, H, 512, dtype=torch.bfloat16), bmm1_scale=0.05,
+              sinks=torch.zeros(H), kv_layout="NHD", swa_topk_lens=torch.full((T,), 7, dtype=torch.int32),
+              extra_sparse_indices=torch.zeros(T, 1, 8192, dtype=torch.int32),
+              extra_sparse_topk_lens=torch.full((T,), 9, dtype=torch.int32))
+    kw.update(overrides)
+    return kw
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({}, "the kernels run on CUDA devices only"),
+    (dict(num_valid_heads=5), "the kernels run on CUDA devices only"),
+    (dict(kv_layout="HND"), "swa_kv_cache of shape [4, 64, 1, 584] is not laid out as kv_layout='HND'"),
+    (dict(bmm1_scale=torch.tensor(0.05)), "the kernels run on CUDA devices only"),
+    (dict(bmm1_scale=torch.ones(2)), "bmm1_scale must be a number or a one-element tensor, got shape [2]"),
+    (dict(swa_topk_lens=torch.full((3, 1), 7, dtype=torch.int32)), "the kernels run on CUDA devices only"),
+    (dict(kv_layout="NDH"), "kv_layout must be 'HND' or 'NHD'"),
+    (dict(backend="trtllm-gen"), "backend must be one of ('auto', 'sparse')"),
+    (dict(hca_seq_lens=torch.zeros(3, dtype=torch.int32)), "FlashInfer's HCA inputs are not served (given: hca_seq_lens)"),
+    (dict(cum_seq_lens_q=torch.zeros(4, dtype=torch.int32)), "cum_seq_lens_q (ragged query lengths) is not served"),
+    (dict(sparse_indices=None), "sparse_indices is required"),
+    (dict(sparse_topk_lens=torch.zeros(3, dtype=torch.int32)), "sparse_topk_lens or swa_topk_lens, not both"),
+    (dict(compressed_kv_cache=None), "compressed_kv_cache and extra_sparse_indices go together"),
+    (dict(bmm2_scale=0.5), "bmm2_scale must be 1.0"),
+    (dict(num_valid_heads=9), "num_valid_heads must be an int in [1, num_heads], got 9"),
+    (dict(num_valid_heads=4, out=None), "num_valid_heads needs out"),
+])
+def test_dsv4_adapter_serves_vllms_call_and_refuses_the_rest(overrides, message):
+    text = _refused(trtllm_batch_decode_sparse_mla_dsv4, **_vllm_dsv4_call(**overrides))
+    assert text.startswith(MODEL1_FP8.model_type) and message in text
+
+
+def test_sglang_adapter_takes_sglangs_keywords():
+    q = torch.randn(2, 1, 64, 512).to(torch.bfloat16)
+    cache = make_cache(2, 256, device="cpu", gen=torch.Generator().manual_seed(6))
+    idx = torch.zeros(2, 1, 128, dtype=torch.int32)
+    text = _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, head_dim_v=512, indices=idx,
+                    softmax_scale=None, topk_length=torch.full((2,), 3, dtype=torch.int32), attn_sink=torch.zeros(64),
+                    extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
+    assert text.startswith(MODEL1_FP8.model_type + ": num_tokens=2, num_heads=64, topk=128, d_qk=512, "
+                                                   "page_block_size=256")
+    assert text.endswith("the kernels run on CUDA devices only")
+    with pytest.raises(TypeError):  # keywords only, as SGLang calls it
+        flash_mla_with_kvcache_sm120(q, cache, idx, 512)
+    assert "head_dim_v must be 512" in _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, indices=idx,
+                                                 head_dim_v=576)
 
 
 def test_natural_with_sink_is_the_log2_convention_in_natural_units():
@@ -896,11 +1007,11 @@ def test_plan_run_refuses_a_misaligned_tensor(monkeypatch):
 
 def test_plan_alignment_comes_from_the_kernel_argument_schema(monkeypatch):
     from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
-    from dispatch.plan import _RUN_TENSORS
+    from dispatch.plan import RUN_TENSORS
 
     plan, _ = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, dtype=torch.int32))
     schema = {a.name: a.align for a in PARTIAL_ARGS}
-    aligns = dict(zip((name for name, _ in _RUN_TENSORS), plan._aligns))
+    aligns = dict(zip((name for name, _ in RUN_TENSORS), plan._aligns))
     assert aligns["q"] == schema["q"] == 16 and aligns["kv_cache"] == schema["main_cache"] == 16
     assert aligns["out"] == schema["out"] == 8 and aligns["topk_length"] == schema["main_len"] == 4
 
@@ -916,11 +1027,11 @@ def test_plan_run_refuses_lengths_that_are_not_one_int_per_token_in_order(monkey
 def test_run_and_bind_take_the_planned_tensors_by_name():
     import inspect
 
-    from dispatch.plan import _RUN_TENSORS, DecodePlan
+    from dispatch.plan import RUN_TENSORS, DecodePlan
 
     for method in (DecodePlan.run, DecodePlan.bind):
         params = inspect.signature(method).parameters
-        assert all(name in params for name, _ in _RUN_TENSORS), method
+        assert all(name in params for name, _ in RUN_TENSORS), method
 
 
 def test_kernel_params_take_the_schema_and_at_most_the_stream():

@@ -383,3 +383,51 @@ def test_flash_mla_adapter_serves_v32():
     assert out.shape == (B, S, H, 512) and lse.shape == (B, H, S)
     _check(out.reshape(B * S, H, 512), lse.transpose(1, 2).reshape(B * S, H), q, cache, idx,
            dict(kw, sm_scale=0.06, kv_format="v32_fp8"), seed, "flash_mla_with_kvcache v32")
+
+
+def test_one_shot_plan_cache_never_mixes_layouts():
+    """The one-shot call reuses a validated plan only for the same layout (``dispatch.plan_cache``):
+    a tensor that differs in a stride, a dtype, a device or an optional input gets its own
+    plan or its refusal, and every result matches the reference."""
+    from dispatch.api import ONE_SHOT_PLANS, clear_plan_cache
+    from dispatch.metadata import InvalidDecodeInput
+
+    gen, seed = _gen("one-shot plan cache")
+    q, cache, idx, kw = _inputs(T=3, H=16, gen=gen, lengths=False)
+    clear_plan_cache()
+    out, lse = sparse_mla_decode(q, cache, idx, **kw)
+    assert len(ONE_SHOT_PLANS) == 1
+    _refill(q, idx, kw, gen)  # new values, same tensors: the cached plan
+    out, lse = sparse_mla_decode(q, cache, idx, **kw)
+    assert len(ONE_SHOT_PLANS) == 1
+    _check(out, lse, q, cache, idx, kw, seed, "cached plan, new values")
+    # q with padded rows (another stride): its own plan
+    wide = torch.empty(3, 16, 1024, dtype=torch.bfloat16, device=DEV)[..., :512]
+    wide.copy_(q)
+    out2, lse2 = sparse_mla_decode(wide, cache, idx, **kw)
+    assert len(ONE_SHOT_PLANS) == 2 and torch.equal(out2, out) and torch.equal(lse2, lse)
+    # an optional input more: its own plan
+    lens = torch.randint(0, idx.shape[1] + 1, (3,), generator=gen).int().to(DEV)
+    out3, lse3 = sparse_mla_decode(q, cache, idx, topk_length=lens, **kw)
+    assert len(ONE_SHOT_PLANS) == 3
+    _check(out3, lse3, q, cache, idx, dict(kw, topk_length=lens), seed, "cached plan, lengths added")
+    # another dtype or device, or a misaligned address of the same layout: refused, never served by a cached plan
+    with pytest.raises(InvalidDecodeInput, match="indices must be int32"):
+        sparse_mla_decode(q, cache, idx.long(), **kw)
+    with pytest.raises(InvalidDecodeInput, match="is on cpu"):
+        sparse_mla_decode(q, cache, idx.cpu(), **kw)
+    shifted = torch.empty(3 * 16 * 512 + 1, dtype=torch.bfloat16, device=DEV)[1:].view(3, 16, 512)
+    shifted.copy_(q)
+    with pytest.raises(InvalidDecodeInput, match="data pointer must be 16-byte aligned"):
+        sparse_mla_decode(shifted, cache, idx, **kw)
+    with pytest.raises(InvalidDecodeInput, match="sm_scale must be a finite Python float"):
+        sparse_mla_decode(q, cache, idx, sm_scale=math.nan, **kw)
+    assert len(ONE_SHOT_PLANS) == 3
+    # a side stream has its own scratch: the same results
+    assert all(e.plan.scratch_bytes for e in ONE_SHOT_PLANS._plans.values())  # split plans: scratch in use
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out4, lse4 = sparse_mla_decode(q, cache, idx, **kw)
+    stream.synchronize()
+    assert torch.equal(out4, out) and torch.equal(lse4, lse)
+    assert len(ONE_SHOT_PLANS._scratch) == 2  # one scratch buffer per stream
