@@ -265,11 +265,15 @@ def _valid_heads(query, out, sinks, num_valid_heads):
     return query[..., :num_valid_heads, :], out[..., :num_valid_heads, :], sinks
 
 
+_HCA_DEFAULTS = (None, None, None, False, None)  # hca_swa_indices ... hca_sparse_indices_format
+
+
 def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
                   compressed_kv_cache, extra_sparse_indices, backend, *hca) -> str | None:
-    """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found)."""
-    d_qk = FORMATS[_DSV4_FORMAT].d_qk
+    """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found).
+    Every call runs it: the common case is a handful of comparisons."""
     if cum_seq_lens_q is not None:
+        d_qk = FORMATS[_DSV4_FORMAT].d_qk
         return (f"cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, {d_qk}] or "
                 f"[tokens, heads, {d_qk}]")
     if isinstance(bmm2_scale, torch.Tensor) or bmm2_scale != 1.0:
@@ -284,10 +288,11 @@ def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_t
         return "compressed_kv_cache and extra_sparse_indices go together: pass both or neither"
     if backend not in _DSV4_BACKENDS:
         return f"backend must be one of {_DSV4_BACKENDS} (this library's kernels), got {backend!r}"
-    given = [name for name, value in zip(("hca_swa_indices", "hca_compressed_block_tables", "hca_seq_lens",
-                                          "hca_use_persistent", "hca_sparse_indices_format"), hca)
-             if value is not None and value is not False]
-    if given:
+    if hca != _HCA_DEFAULTS:
+        given = [name for name, value, default in zip(("hca_swa_indices", "hca_compressed_block_tables",
+                                                        "hca_seq_lens", "hca_use_persistent",
+                                                        "hca_sparse_indices_format"), hca, _HCA_DEFAULTS)
+                 if value is not default]
         return f"FlashInfer's HCA inputs are not served (given: {', '.join(given)})"
     return None
 
