@@ -122,7 +122,7 @@ def flash_mla_with_kvcache_sm120(
     kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang's ``flash_mla_with_kvcache_sm120`` (``sglang.kernels.ops.attention.flash_mla_sm120``,
-    read at sgl-project/sglang ffeb9f73, the 0.5.23 line): keyword arguments only, FlashMLA's
+    read in SGLang 0.5.23's released wheel): keyword arguments only, FlashMLA's
     names, as SGLang's DeepSeek-V4 backend calls it on SM120.
 
     ``q [T, 1, H, 512]`` bf16 (SGLang pads decode heads to 64: every head given is served);
@@ -175,6 +175,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     hca_is_causal: bool = True,
     hca_use_persistent: bool = False,
     hca_sparse_indices_format: str | None = None,
+    sparse_indices_are_storage_offsets: bool = False,
     *,
     num_valid_heads: int | None = None,
     return_lse: bool = False,
@@ -185,7 +186,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     function vLLM's DeepSeek-V4 and V4.1 attention calls on SM12x
     (``DeepseekV4FlashInferSM120Attention._forward_decode`` / ``_forward_prefill`` in
     ``vllm/models/deepseek_v4/nvidia/flashinfer_sparse.py`` and ``deepseek_v41/nvidia/``,
-    read at local-inference-lab/vllm 3b758166; ``dispatch.engine_plugins`` switches vLLM to
+    read in vLLM 0.34.0's released wheel; ``dispatch.engine_plugins`` switches vLLM to
     this function).
 
     vLLM's call: ``query [T, H, 512]`` bf16 (heads zero-padded to 8/16/32/64/128),
@@ -200,7 +201,8 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     the main list's lengths (not with ``swa_topk_lens``); ``bmm2_scale`` must be 1 (the cache
     carries its own scales); ``seq_lens``, ``max_q_len``, ``enable_pdl`` and
     ``workspace_buffer`` are accepted and not needed; ``backend`` must be "auto" or "sparse";
-    ragged queries (``cum_seq_lens_q``) and the ``hca_*`` inputs are refused.
+    ragged queries (``cum_seq_lens_q``), the ``hca_*`` inputs and storage-offset indices
+    (``sparse_indices_are_storage_offsets=True``, vLLM's SM100 call) are refused.
 
     ``num_valid_heads`` (not FlashInfer's): the caller says that only the first
     ``num_valid_heads`` query heads are real and the rest padding; those are neither read
@@ -216,7 +218,8 @@ def trtllm_batch_decode_sparse_mla_dsv4(
         _check_convention(lse_convention, query)
     problem = _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
                             compressed_kv_cache, extra_sparse_indices, backend, hca_swa_indices,
-                            hca_compressed_block_tables, hca_seq_lens, hca_use_persistent, hca_sparse_indices_format)
+                            hca_compressed_block_tables, hca_seq_lens, hca_use_persistent, hca_sparse_indices_format,
+                            sparse_indices_are_storage_offsets)
     if problem is not None:
         _refuse(problem, query, _DSV4_FORMAT)
     if type(bmm1_scale) is not float and isinstance(bmm1_scale, (int, float, torch.Tensor)) \
@@ -265,11 +268,14 @@ def _valid_heads(query, out, sinks, num_valid_heads):
     return query[..., :num_valid_heads, :], out[..., :num_valid_heads, :], sinks
 
 
-_HCA_DEFAULTS = (None, None, None, False, None)  # hca_swa_indices ... hca_sparse_indices_format
+# hca_swa_indices ... hca_sparse_indices_format, sparse_indices_are_storage_offsets
+_UNSERVED_DEFAULTS = (None, None, None, False, None, False)
+_UNSERVED_NAMES = ("hca_swa_indices", "hca_compressed_block_tables", "hca_seq_lens", "hca_use_persistent",
+                   "hca_sparse_indices_format", "sparse_indices_are_storage_offsets")
 
 
 def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
-                  compressed_kv_cache, extra_sparse_indices, backend, *hca) -> str | None:
+                  compressed_kv_cache, extra_sparse_indices, backend, *unserved) -> str | None:
     """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found).
     Every call runs it: the common case is a handful of comparisons."""
     if cum_seq_lens_q is not None:
@@ -288,12 +294,11 @@ def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_t
         return "compressed_kv_cache and extra_sparse_indices go together: pass both or neither"
     if backend not in _DSV4_BACKENDS:
         return f"backend must be one of {_DSV4_BACKENDS} (this library's kernels), got {backend!r}"
-    if hca != _HCA_DEFAULTS:
-        given = [name for name, value, default in zip(("hca_swa_indices", "hca_compressed_block_tables",
-                                                        "hca_seq_lens", "hca_use_persistent",
-                                                        "hca_sparse_indices_format"), hca, _HCA_DEFAULTS)
+    if unserved != _UNSERVED_DEFAULTS:
+        given = [name for name, value, default in zip(_UNSERVED_NAMES, unserved, _UNSERVED_DEFAULTS)
                  if value is not default]
-        return f"FlashInfer's HCA inputs are not served (given: {', '.join(given)})"
+        return (f"{', '.join(given)}: not served (FlashInfer's HCA inputs; storage-offset indices, which vLLM "
+                f"passes only on SM100)")
     return None
 
 

@@ -15,7 +15,9 @@ What is replaced, by the engines' names (``pyproject.toml`` declares the entry p
   ``vllm.utils.flashinfer.flashinfer_trtllm_batch_decode_sparse_mla_dsv4``, which the
   DeepSeek-V4 and V4.1 attention modules (``vllm/models/deepseek_v4/nvidia/flashinfer_sparse.py``
   and ``vllm/models/deepseek_v41/nvidia/flashinfer_sparse.py``) import by that name; the
-  binding in those modules too where they are already imported.
+  binding in those modules too where they are already imported; and
+  ``vllm.utils.flashinfer.has_flashinfer_sparse_mla_sm120_config``, with which each SM120
+  attention layer refuses to start when FlashInfer has no kernel for its (heads, top-k).
 - SGLang (``sglang.srt.plugins`` entry point ``dsv4_sparse_mla``): a REPLACE hook in SGLang's
   ``HookRegistry`` on ``sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120``.
 
@@ -42,13 +44,16 @@ SGLANG_LOG = logging.getLogger("sglang.dsv4_sparse_mla")
 
 # vLLM: where the function is bound, and the modules that import it by that name
 VLLM_BINDING = ("vllm.utils.flashinfer", "flashinfer_trtllm_batch_decode_sparse_mla_dsv4")
+# vLLM's check, at each SM120 attention layer's construction, that FlashInfer has a kernel for
+# (padded heads, top-k): this library serves every such pair
+VLLM_SHAPE_CHECK = "has_flashinfer_sparse_mla_sm120_config"
 VLLM_CALLERS = ("vllm.models.deepseek_v4.nvidia.flashinfer_sparse", "vllm.models.deepseek_v41.nvidia.flashinfer_sparse")
 # SGLang: the function its DeepSeek-V4 backend imports at each call on SM120
 SGLANG_TARGET = "sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120"
 SGLANG_HOOKS = "sglang.srt.plugins.hook_registry"
 # the engine versions whose sources the plugins were written against
-CHECKED = {"vllm": "0.33 / 0.34 (local-inference-lab/vllm 3b758166)",
-           "sglang": "0.5.23 (sgl-project/sglang ffeb9f73)"}
+CHECKED = {"vllm": "0.34.0 (its released wheel)",
+           "sglang": "0.5.23 (its released wheel)"}
 
 
 def requested_mode() -> str | None:
@@ -114,6 +119,12 @@ def _import(name: str):
 
 
 # ---------------------------------------------------------------------- vLLM
+def serves_sm120_shape(num_q_heads: int, top_k: int) -> bool:
+    """vLLM's ``has_flashinfer_sparse_mla_sm120_config`` for this library: every head count and
+    top-k of at least 1 has a kernel."""
+    return int(num_q_heads) >= 1 and int(top_k) >= 1
+
+
 def _vllm_capability():
     """The GPU's compute capability as vLLM reads it (NVML: no CUDA context in this process)."""
     from vllm.platforms import current_platform
@@ -130,16 +141,19 @@ def register_vllm() -> None:
 
     module_name, name = VLLM_BINDING
     module, error = _import(module_name)
-    if module is None or not hasattr(module, name):
-        raise _missing(VLLM_LOG, "vLLM", "vllm", f"{module_name}.{name}", error)
+    for wanted in (name, VLLM_SHAPE_CHECK):
+        if module is None or not hasattr(module, wanted):
+            raise _missing(VLLM_LOG, "vLLM", "vllm", f"{module_name}.{wanted}", error)
     callers = [(caller, sys.modules[caller]) for caller in VLLM_CALLERS if caller in sys.modules]
     for caller, loaded in callers:  # modules that bound the name before this ran: all or none patched
         if not hasattr(loaded, name):
             raise _missing(VLLM_LOG, "vLLM", "vllm", f"{caller}.{name}")
     setattr(module, name, adapter)
+    setattr(module, VLLM_SHAPE_CHECK, serves_sm120_shape)
     for _, loaded in callers:
         setattr(loaded, name, adapter)
-    replaced = [f"{module_name}.{name}"] + [f"{caller}.{name}" for caller, _ in callers]
+    replaced = ([f"{module_name}.{name}"] + [f"{caller}.{name}" for caller, _ in callers]
+                + [f"{module_name}.{VLLM_SHAPE_CHECK}"])
     VLLM_LOG.info("dsv4-sparse-mla: vLLM %s: %s replaced by dispatch.adapters.trtllm_batch_decode_sparse_mla_dsv4",
                   _engine_version("vllm"), ", ".join(replaced))
 

@@ -2,13 +2,13 @@
 (shapes, dtypes, strides, padding), against the float64 reference.
 
 - vLLM's DeepSeek-V4 / V4.1 SM12x attention (``DeepseekV4FlashInferSM120Attention``, read at
-  local-inference-lab/vllm 3b758166) calls FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4``
+  vLLM 0.34.0) calls FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4``
   with the query heads zero-padded to 8/16/32/64/128, the SWA cache on 64-token pages 37,440
   bytes apart, the compressed cache on 64-token (ratio 4) or 2-token (ratio 128) pages, extra
   indices ``[T, 1, K]`` of global slots (ratio 128: the full buffer width, 8192 at 1M context,
   with the real count in the lengths) and ``kv_layout="NHD"``; prefill goes through the same
   call in chunks of many tokens.
-- SGLang's DeepSeek-V4 backend (sgl-project/sglang ffeb9f73) calls
+- SGLang 0.5.23's DeepSeek-V4 backend calls
   ``flash_mla_with_kvcache_sm120`` with q ``[T, 1, H, 512]`` (decode heads padded to 64), its
   SWA pool on 256-token pages viewed from the ``[num_pages, page_bytes]`` buffer, and
   ``[T, 1, K]`` lists of pool slots padded with -1.

@@ -92,7 +92,8 @@ def _stand_in_vllm(monkeypatch, capability=(12, 0), with_binding=True, loaded_ca
     _module(monkeypatch, "vllm", __version__="0.0.test", __path__=[])
     _module(monkeypatch, "vllm.platforms", current_platform=platform)
     _module(monkeypatch, "vllm.utils", __path__=[])
-    binding = _module(monkeypatch, VLLM_BINDING[0], **({VLLM_BINDING[1]: _original} if with_binding else {}))
+    binding = _module(monkeypatch, VLLM_BINDING[0], **({VLLM_BINDING[1]: _original} if with_binding else {}),
+                      **{engine_plugins.VLLM_SHAPE_CHECK: lambda num_q_heads, top_k: False})
     callers = [_module(monkeypatch, name, **{VLLM_BINDING[1]: _original}) for name in loaded_callers]
     return binding, callers
 
@@ -125,6 +126,7 @@ def test_vllm_plugin_replaces_the_binding_and_loaded_callers(monkeypatch, caplog
         engine_plugins.register_vllm()
     for module in (binding, *callers):
         assert getattr(module, VLLM_BINDING[1]) is adapters.trtllm_batch_decode_sparse_mla_dsv4
+    assert getattr(binding, engine_plugins.VLLM_SHAPE_CHECK)(24, 1152)  # every (heads, top-k) is served
     lines = [r for r in caplog.records if r.name == engine_plugins.VLLM_LOG.name]
     assert len(lines) == 1 and f"{VLLM_CALLERS[0]}.{VLLM_BINDING[1]}" in lines[0].getMessage()
 
@@ -133,7 +135,7 @@ def test_vllm_plugin_refuses_loudly_when_the_function_moved(monkeypatch):
     _stand_in_vllm(monkeypatch, with_binding=False)
     monkeypatch.setenv(ENV, "1")
     with pytest.raises(RuntimeError, match=r"vLLM .* has no vllm\.utils\.flashinfer\.flashinfer_trtllm_batch_decode_"
-                                           r"sparse_mla_dsv4: this plugin was written against vLLM 0\.33"):
+                                           r"sparse_mla_dsv4: this plugin was written against vLLM 0\.34\.0"):
         engine_plugins.register_vllm()
 
 
@@ -221,6 +223,8 @@ def test_vllm_loads_the_plugin_and_its_attention_calls_this_library(monkeypatch)
     for caller in VLLM_CALLERS:
         module = importlib.import_module(caller)
         assert getattr(module, VLLM_BINDING[1]) is adapters.trtllm_batch_decode_sparse_mla_dsv4, caller
+    shape_check = getattr(importlib.import_module(VLLM_BINDING[0]), engine_plugins.VLLM_SHAPE_CHECK)
+    assert shape_check(24, 1152)  # the layers' start-up check: FlashInfer's table no longer decides
     q, cache, idx = _cpu_dsv4_inputs()
     with pytest.raises(InvalidDecodeInput, match="CUDA devices only"):  # this library's refusal, not FlashInfer's
         getattr(importlib.import_module(VLLM_CALLERS[0]), VLLM_BINDING[1])(
