@@ -16,7 +16,7 @@ from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheV
 from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, KvFormat
 from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 
-from .lse import LSE_CONVENTIONS, convert_lse
+from .lse import LSE_CONVENTIONS, check_convention, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
 from .plan import RUN_TENSORS
 from .plan_cache import CachedPlan, PlanCache, layout_key
@@ -236,15 +236,6 @@ class ValidatedCall:
     precision: str
     launch_metadata: DecodeMetadata
 
-    def pointers(self) -> dict:
-        def ptr(t):
-            return 0 if t is None else t.data_ptr()
-
-        return {"q": ptr(self.q), "main": ptr(self.kv_cache), "indices": ptr(self.indices),
-                "topk_length": ptr(self.topk_length), "attn_sink": ptr(self.attn_sink), "out": ptr(self.out),
-                "lse": ptr(self.lse), "extra": ptr(self.extra_kv_cache),
-                "extra_indices": ptr(self.extra_indices), "extra_topk_length": ptr(self.extra_topk_length)}
-
     @property
     def fmt(self) -> KvFormat:
         return self.main.fmt
@@ -372,6 +363,9 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
 
 # ---------------------------------------------------------------------- public API
+# where out and lse sit in run()'s tensor order (one_shot_decode writes that order out)
+_OUT, _LSE = (next(i for i, (name, _) in enumerate(RUN_TENSORS) if name == n) for n in ("out", "lse"))
+assert _LSE == _OUT + 1
 # the one-shot call's validated plans, by layout key (``plan_cache``)
 ONE_SHOT_PLANS = PlanCache()
 
@@ -502,8 +496,7 @@ def one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extr
         if out is None or lse is None:
             new_out = entry.new_out() if out is None else out
             new_lse = lse if lse is not None else entry.new_lse() if keep_lse else entry.discarded_lse()
-            given = (q, kv_cache, indices, topk_length, attn_sink, new_out, new_lse, extra_kv_cache, extra_indices,
-                     extra_topk_length)
+            given = given[:_OUT] + (new_out, new_lse) + given[_LSE + 1:]
         plan = entry.plan
         if plan.launch_laid_out(given, sm_scale, ONE_SHOT_PLANS.scratch(plan) if plan.scratch_bytes else None):
             if lse_convention != "natural":
@@ -524,10 +517,11 @@ def _validated_one_shot(key, entry, q, kv_cache, indices, *, sm_scale, topk_leng
     the plan under ``key`` (None: not cacheable), then launches."""
     from .plan import DecodePlan
 
-    if lse_convention not in LSE_CONVENTIONS:
+    try:
+        check_convention(lse_convention)
+    except ValueError as err:
         raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
-                                                extra_topk_length, attn_sink, kv_format),
-                                 f"lse_convention must be one of {LSE_CONVENTIONS}, got {lse_convention!r}")
+                                                extra_topk_length, attn_sink, kv_format), str(err)) from None
     call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                          extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,

@@ -39,8 +39,26 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 
 def layout_signature(t):
-    """What a plan fixes about a tensor: shape, strides and dtype (None for an absent input)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype)
+    """What a plan fixes about a tensor: shape, strides, dtype and device (None for an absent
+    input). ``plan_cache.layout_key`` is the same per tensor, inlined on its hot path."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def scale_log2(sm_scale, default: float) -> float | None:
+    """``sm_scale`` (None: ``default``) times log2(e), the kernels' argument; None unless it is
+    a finite real Python number (not a bool), what ``validate_call`` accepts."""
+    if sm_scale is None:
+        sm_scale = default
+    elif type(sm_scale) is not float:
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+            return None
+        sm_scale = float(sm_scale)
+    return sm_scale * LOG2_E if math.isfinite(sm_scale) else None
+
+
+def _aligned(address: int) -> int:
+    """The scratch address rounded up to ``SCRATCH_ALIGN`` (``scratch_bytes`` has room for it)."""
+    return -(-address // SCRATCH_ALIGN) * SCRATCH_ALIGN
 
 
 class Bind:
@@ -120,7 +138,8 @@ class DecodePlan:
                     align[v.key] = max(align.get(v.key, 1), a.align)
         self._aligns = tuple(align.get(key, 1) for _, key in RUN_TENSORS)
         self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
-        example = [call.pointers()[key] for _, key in RUN_TENSORS] + [call.sm_scale * LOG2_E, 0, 0]
+        example = ([0 if getattr(call, name) is None else getattr(call, name).data_ptr() for name, _ in RUN_TENSORS]
+                   + [call.sm_scale * LOG2_E, 0, 0])
         self._kernels = self._make_kernels(example)
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
 
@@ -192,7 +211,7 @@ class DecodePlan:
         return ValueError(
             f"DecodePlan.{caller}: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
             f"{t.device}; the plan was built for shape {list(expected[0])}, strides {list(expected[1])}, "
-            f"{expected[2]} on {self.device}"
+            f"{expected[2]} on {expected[3]}"
         )
 
     def _checked_values(self, caller, given, sm_scale, scratch) -> list:
@@ -201,7 +220,6 @@ class DecodePlan:
         for a tensor not laid out exactly as planned (shape, strides, dtype, device) or whose
         address lacks the alignment the kernels assume, so no address written into the
         kernels' arguments can lead a kernel outside its tensor or to a misaligned access."""
-        dev = self.device
         values = []
         for (name, sig), align, t in zip(self._inputs, self._aligns, given):
             if sig is None:
@@ -210,7 +228,7 @@ class DecodePlan:
                 values.append(0)
                 continue
             try:
-                ok = t.dtype is sig[2] and t.device == dev and t.stride() == sig[1] and t.shape == sig[0]
+                ok = t.dtype is sig[2] and t.device == sig[3] and t.stride() == sig[1] and t.shape == sig[0]
             except AttributeError:  # None, or not a tensor
                 ok = False
             if not ok:
@@ -220,22 +238,21 @@ class DecodePlan:
                 raise ValueError(f"DecodePlan.{caller}: {name} starts at address {address:#x}, not {align}-byte "
                                  f"aligned as the kernels assume (the planned tensor was)")
             values.append(address)
-        if sm_scale is None:
-            sm_scale = self.default_sm_scale
-        elif not math.isfinite(sm_scale):
-            raise ValueError(f"DecodePlan.{caller}: sm_scale must be finite, got {sm_scale!r}")
-        values.append(float(sm_scale) * LOG2_E)
+        scale = scale_log2(sm_scale, self.default_sm_scale)
+        if scale is None:
+            raise ValueError(f"DecodePlan.{caller}: sm_scale must be a finite Python float, got {sm_scale!r}")
+        values.append(scale)
         scratch_ptr = 0
         if self.scratch_bytes:
             try:
-                ok = (scratch.device == dev and scratch.is_contiguous()
+                ok = (scratch.device == self.device and scratch.is_contiguous()
                       and scratch.numel() * scratch.element_size() >= self.scratch_bytes)
             except AttributeError:
                 ok = False
             if not ok:
                 raise ValueError(f"DecodePlan.{caller}: scratch must be a contiguous buffer of at least "
-                                 f"{self.scratch_bytes} bytes on {dev} (plan.new_scratch())")
-            scratch_ptr = -(-scratch.data_ptr() // SCRATCH_ALIGN) * SCRATCH_ALIGN
+                                 f"{self.scratch_bytes} bytes on {self.device} (plan.new_scratch())")
+            scratch_ptr = _aligned(scratch.data_ptr())
         values.append(scratch_ptr)
         return values
 
@@ -277,16 +294,11 @@ class DecodePlan:
             if address % align:
                 return False
             values.append(address)
-        if sm_scale is None:
-            sm_scale = self.default_sm_scale
-        elif type(sm_scale) is not float:  # what validate_call accepts: a real Python number, not a bool
-            if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-                return False
-            sm_scale = float(sm_scale)
-        if not math.isfinite(sm_scale):
+        scale = scale_log2(sm_scale, self.default_sm_scale)
+        if scale is None:
             return False
-        values.append(sm_scale * LOG2_E)
-        values.append(0 if scratch is None else -(-scratch.data_ptr() // SCRATCH_ALIGN) * SCRATCH_ALIGN)
+        values.append(scale)
+        values.append(0 if scratch is None else _aligned(scratch.data_ptr()))
         self._bind_and_launch(values)
         return True
 

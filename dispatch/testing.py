@@ -22,7 +22,7 @@ def view_width(kv_format: str, row_stride: int) -> int:
     fmt = get_format(kv_format)
     if not fmt.inline:
         return fmt.bytes_per_token
-    return max(w for w in {fmt.row_bytes, *fmt.row_pitches} if w <= row_stride)
+    return max(w for w in fmt.view_widths if w <= row_stride)
 
 
 def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_fp8", block_stride: int | None = None,

@@ -194,9 +194,8 @@ def format_precisions(arch: str, kv_format: str) -> tuple[str, ...]:
 
 
 def variant_space(arch: str) -> list[KernelVariant]:
-    """Every variant the dispatch can select for ``arch``: per format (MODEL1's first, in the
-    order they had when it was the only format), its partial kernels, then the merge kernels
-    every format shares."""
+    """Every variant the dispatch can select for ``arch``: per format (MODEL1's first), its
+    partial kernels, then the merge kernels every format shares."""
     out = []
     for kv_format in FORMATS:
         two_fit = two_bounded_f16_ctas_fit(SMEM_PER_SM_BY_ARCH[arch], kv_format)

@@ -421,6 +421,11 @@ def test_format_of_names_or_refuses_by_width():
     with pytest.raises(CacheLayoutError, match=r"no cache format has 600-byte rows: pass kv_format= "
                                                r"\(one of \['glm_nope_fp8', 'model1_fp8', 'v32_fp8'\]\)"):
         format_of(torch.zeros(2, 4, 1, 600, dtype=torch.uint8), None)
+    # MODEL1's 576 data bytes per row are no view width (its views are 584 wide): not ambiguous
+    with pytest.raises(CacheLayoutError, match="no cache format has 576-byte rows"):
+        format_of(torch.zeros(2, 4, 1, 576, dtype=torch.uint8), None)
+    with pytest.raises(CacheLayoutError, match=r"no cache format has blocks of 577 bytes"):
+        format_of(torch.zeros(2, 577, dtype=torch.uint8), None)
     with pytest.raises(CacheLayoutError, match="kv_format must be one of"):
         format_of(torch.zeros(2, 4, 1, 584, dtype=torch.uint8), "dsv4_nvfp4")
 

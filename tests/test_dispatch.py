@@ -15,7 +15,7 @@ import torch
 from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.cache_format import read_cache_view
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
-from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
+from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E, PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8
 from dispatch import InvalidDecodeInput, kv_formats, sparse_mla_decode
 from dispatch.adapters import (
@@ -25,7 +25,7 @@ from dispatch.adapters import (
 from dispatch.api import ValidatedCall
 from dispatch.lse import convert_lse
 from dispatch.metadata import GENERIC_MODEL_TYPE, DecodeMetadata
-from dispatch.plan import DecodePlan
+from dispatch.plan import RUN_TENSORS, DecodePlan
 from dispatch.plan_cache import PlanCache, layout_key
 from dispatch.registry import (
     DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS, H200_SMEM_PER_SM, SM120_SMEM_PER_SM, deployment_calls, registry_calls,
@@ -499,7 +499,7 @@ def test_model1_decisions_are_those_of_the_single_format_dispatch():
 
 
 def _validated(cache, kv_format, **fields) -> ValidatedCall:
-    """A ValidatedCall of a cache view and nothing else (what ``plan_key`` and the plan's
+    """A ValidatedCall of a cache view and nothing else (what the plan's
     argument values read), built on CPU: ``validate_call`` itself needs a CUDA device."""
     empty = {f.name: None for f in dataclasses.fields(ValidatedCall)}
     view = read_cache_view(cache, kv_format)
@@ -948,7 +948,9 @@ def test_registry_is_what_plans_select(monkeypatch, arch):
     every compute path, a ``DecodePlan`` built as a call builds it (``validate_call`` on CPU
     tensors of that shape, for ``arch``, each SM count and its shared memory per SM) describes
     the call as the registry does, selects what ``registry_calls`` yields for it and launches
-    only variants of ``registry_variants(arch)``."""
+    only variants of ``registry_variants(arch)``. Both go through ``select_kernels``, so what
+    this checks is the path from a call's tensors to that function's inputs (the metadata, SM
+    count, shared memory); the selection itself is pinned by ``test_model1_decisions_*``."""
     from dispatch.api import validate_call
 
     _stub_kernels(monkeypatch)
@@ -1015,6 +1017,46 @@ def test_plan_alignment_comes_from_the_kernel_argument_schema(monkeypatch):
     aligns = dict(zip((name for name, _ in RUN_TENSORS), plan._aligns))
     assert aligns["q"] == schema["q"] == 16 and aligns["kv_cache"] == schema["main_cache"] == 16
     assert aligns["out"] == schema["out"] == 8 and aligns["topk_length"] == schema["main_len"] == 4
+
+
+def test_a_cache_hit_launches_what_plan_run_launches(monkeypatch):
+    """The one-shot call's cache hit (``launch_laid_out``: the layout already compared) writes
+    the same kernel arguments as ``plan.run``, and declines (returns False, launching nothing)
+    a misaligned address or a scale ``validate_call`` would refuse."""
+    plan, call = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, dtype=torch.int32))
+    launched = []
+    monkeypatch.setattr(plan, "_bind_and_launch", launched.append)
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8) if plan.scratch_bytes else None
+    plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=scratch,
+             topk_length=call.topk_length, sm_scale=0.05)
+    given = tuple(getattr(call, name) for name, _ in RUN_TENSORS)
+    assert plan.launch_laid_out(given, 0.05, scratch) and launched[0] == launched[1]
+    assert plan.launch_laid_out(given, 1, scratch) and launched[2][len(given)] == 1 * LOG2_E
+    for scale in (math.nan, math.inf, True, torch.tensor(0.05), "0.05"):
+        assert not plan.launch_laid_out(given, scale, scratch)
+    q = _misaligned(call.q, 2)
+    assert q.stride() == call.q.stride() and not plan.launch_laid_out((q,) + given[1:], 0.05, scratch)
+    assert len(launched) == 3
+
+
+def test_the_one_shot_call_keys_its_tensors_in_run_order(monkeypatch):
+    """``one_shot_decode`` writes run()'s tensor order out by hand (its hot path): the tuple it
+    keys and launches must be ``RUN_TENSORS``' order."""
+    from dispatch import api, plan_cache
+
+    seen = []
+
+    def capture(tensors, *names):
+        seen.append(tensors)
+        raise AttributeError("captured")  # then the full validation, which refuses the markers
+
+    monkeypatch.setattr(api, "layout_key", capture)
+    markers = {name: object() for name, _ in RUN_TENSORS}
+    with pytest.raises(InvalidDecodeInput):
+        sparse_mla_decode(markers["q"], markers["kv_cache"], markers["indices"],
+                          **{name: m for name, m in markers.items() if name not in ("q", "kv_cache", "indices")})
+    assert seen and all(t is markers[name] for t, (name, _) in zip(seen[0], RUN_TENSORS))
+    assert len(seen[0]) == len(RUN_TENSORS) and plan_cache.layout_key is not capture
 
 
 def test_plan_run_refuses_lengths_that_are_not_one_int_per_token_in_order(monkeypatch):

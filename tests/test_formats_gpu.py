@@ -170,8 +170,7 @@ def run_twice(case: Case, call, device, seed: int) -> list:
 def check_case(case: Case, seed: int, out, lse, q, clean, idx, kw):
     """``out`` / ``lse`` against the reference on the clean twin. For "fp8" the floor is the FP8
     path's rounding model, ``fp8_model.fp8_path_decode`` called (through
-    ``tolerances.rounding_floor``) with ``kv_format`` among its keywords: FP8 MODEL, adjust here
-    if the model's signature for the new formats differs."""
+    ``tolerances.rounding_floor``) with ``kv_format`` among its keywords."""
     ref_out, ref_lse = reference_decode(q, clean, idx, **kw)
     floor = rounding_floor(case.precision, q, clean, idx, kw, ref_out)
     rel, lse_err, ratio = check_against_reference(out, lse, ref_out, ref_lse, floor=floor, seed=seed,

@@ -134,7 +134,7 @@ def test_bind_refuses_a_different_layout():
         plan.bind(q[..., :256], cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), **kw)
     with pytest.raises(ValueError, match="DecodePlan.bind: scratch must be"):
         plan.bind(q, cache, idx, out=out, lse=lse, **kw)
-    with pytest.raises(ValueError, match="sm_scale must be finite"):
+    with pytest.raises(ValueError, match="sm_scale must be a finite Python float"):
         plan.bind(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=math.inf, **kw)
 
 

@@ -21,7 +21,7 @@ import zlib
 import torch
 
 from dispatch.accuracy import (  # noqa: F401  (the bounds the GPU tests import from here)
-    MODELLED_PRECISIONS, OUT_FLOOR_FACTOR, bf16_floor, out_error_and_bound, rel_l2_per_token, rounding_floor,
+    OUT_FLOOR_FACTOR, bf16_floor, out_error_and_bound, rel_l2_per_token, rounding_floor,
 )
 
 LSE_TOL = 1e-5

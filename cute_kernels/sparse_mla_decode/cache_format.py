@@ -101,9 +101,11 @@ def format_of(cache, kv_format: str | None) -> KvFormat:
         if fits:
             raise CacheLayoutError(f"a 2-D cache is read as {DEFAULT_FORMAT} unless kv_format= names its format "
                                    f"(its {width} bytes per block fit {fits})")
+        raise CacheLayoutError(f"no cache format has blocks of {width} bytes (a whole number of rows): pass "
+                               f"kv_format= (one of {sorted(FORMATS)}) or a 4-D view")
     if cache.dim() == 4 and width in FORMAT_BY_WIDTH:
         return FORMATS[FORMAT_BY_WIDTH[width]]
-    candidates = formats_of_width(width) if width is not None else []
+    candidates = formats_of_width(width)
     if candidates:
         raise CacheLayoutError(f"a cache whose rows are {width} bytes wide is ambiguous: pass kv_format= "
                                f"(one of {candidates})")
@@ -120,7 +122,7 @@ def read_cache_view(cache: torch.Tensor, kv_format: str | None = None, name: str
     fmt = format_of(cache, kv_format)
     shape, stride = tuple(cache.shape), tuple(cache.stride())
     bpt = fmt.bytes_per_token
-    widths = (bpt,) if not fmt.inline else tuple(sorted({fmt.row_bytes, *fmt.row_pitches}))
+    widths = fmt.view_widths
     shown = " or ".join(map(str, widths))
     if cache.dim() == 4 and shape[2] == 1 and shape[3] in widths:  # NHD
         page, tok_stride, byte_stride = shape[1], stride[1], stride[3]
@@ -281,7 +283,7 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
         footer = torch.as_strided(storage, (num_blocks, page, fmt.scale_bytes), (stride, fmt.footer_bytes, 1),
                                   page * fmt.row_bytes)
         footer.copy_(record)
-    width = pitch if not fmt.inline else max(w for w in {fmt.row_bytes, *fmt.row_pitches} if w <= pitch)
+    width = pitch if not fmt.inline else max(w for w in fmt.view_widths if w <= pitch)
     return torch.as_strided(storage, (num_blocks, page, 1, width), (stride, pitch, pitch, 1))
 
 

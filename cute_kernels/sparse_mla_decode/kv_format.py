@@ -65,6 +65,14 @@ class KvFormat:
         return self.num_scales * (1 if self.scale_type == "ue8m0" else 4)
 
     @property
+    def view_widths(self) -> tuple[int, ...]:
+        """The last dimensions a 4-D view of such a cache may have: a footer format's bytes
+        per token; an inline format's row bytes and row pitches (``cache_format``)."""
+        if not self.inline:
+            return (self.bytes_per_token,)
+        return tuple(sorted({self.row_bytes, *self.row_pitches}))
+
+    @property
     def inline(self) -> bool:
         return self.scale_placement == "inline"
 
@@ -135,8 +143,9 @@ GLM_NOPE_FP8 = KvFormat(
 
 FORMATS = {f.name: f for f in (MODEL1_FP8, V32_FP8, GLM_NOPE_FP8)}
 DEFAULT_FORMAT = MODEL1_FP8.name
-# the format a cache of this last-dimension width is, where no other format has that width
-# (a 528-byte row could be GLM-5.3's or another format's: it must be named)
+# the format a cache of this last-dimension width is read as unless ``kv_format`` names one:
+# 584 is MODEL1's alone; 656 is V3.2's row and also a GLM-5.3 pool pitch (vLLM keeps GLM-5.3
+# rows in 656-byte pool rows), read as V3.2 unless named; a 528-byte row must be named
 FORMAT_BY_WIDTH = {MODEL1_FP8.bytes_per_token: MODEL1_FP8.name, V32_FP8.row_bytes: V32_FP8.name}
 # which formats a main cache of one format may be combined with as the extra (compressed)
 # cache: only where a model does so (DeepSeek-V4's sliding window plus compressed cache)
@@ -153,5 +162,4 @@ def get_format(name: str) -> KvFormat:
 
 def formats_of_width(width: int) -> list[str]:
     """The formats whose cache views may have a last dimension of ``width`` bytes."""
-    return sorted(f.name for f in FORMATS.values()
-                  if width in (f.bytes_per_token, f.row_bytes) or width in f.row_pitches)
+    return sorted(f.name for f in FORMATS.values() if width in f.view_widths)
