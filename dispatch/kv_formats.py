@@ -7,6 +7,7 @@ kv_format=NAME)`` reads a cache of that format:
 | name | model | bytes per token | d_qk | d_v |
 | --- | --- | --- | --- | --- |
 | ``model1_fp8`` | DeepSeek-V4 (the default) | 584 | 512 | 512 |
+| ``model1_nvfp4`` | DeepSeek-V4 NVFP4 | 384 | 512 | 512 |
 | ``v32_fp8`` | DeepSeek-V3.2, GLM-5.x | 656 | 576 | 512 |
 | ``glm_nope_fp8`` | GLM-5.3 | 528 (rows 528 or 656 apart) | 512 | 512 |
 

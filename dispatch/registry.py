@@ -6,7 +6,7 @@ This is the single source of truth for what the offline AOT build compiles
 
 - DeepSeek-V4 (MODEL1 cache): heads per GPU for TP 1 to 16 of V4-Flash, V4-Pro and
   V4.1-Flash, the main and extra top-k widths and page sizes serving engines use,
-  speculative-draft widths;
+  speculative-draft widths; V4-Flash and V4-Pro again on the NVFP4 cache (``model1_nvfp4``);
 - DeepSeek-V3.2 and GLM-5.x (the 656-byte V3.2 rows): their heads per GPU, the indexer's
   top-k of 2048, page 64;
 - GLM-5.3 (528-byte rope-free rows): 64, 32 and 16 heads (TP 1, 2, 4), top-k 2176, page 64
@@ -55,17 +55,21 @@ _INDEXER_MODELS = (
 def _shapes() -> list[DeploymentShape]:
     out = []
     heads = {"V4-Flash": (64, 32, 16, 8, 4), "V4-Pro": (128, 64, 32, 16, 8), "V4.1-Flash": (64, 32, 16, 8)}
-    for model, hs in heads.items():
+    # DeepSeek-V4 in either of its cache formats (FP8 or NVFP4, main and extra alike); V4.1 as
+    # vLLM keeps it on SM120, in V4's FP8 record
+    models = [(model, hs, fmt) for model, hs in heads.items()
+              for fmt in (("model1_fp8", "model1_nvfp4") if model != "V4.1-Flash" else ("model1_fp8",))]
+    for model, hs, fmt in models:
         for h in hs:
             mains = (128, 192, 256, 512) if model != "V4.1-Flash" else (1152,)
             for topk, page in itertools.product(mains, (64, 256)):
-                out.append(DeploymentShape(model, h, topk, page))
+                out.append(DeploymentShape(model, h, topk, page, kv_format=fmt))
             extras = {"V4-Flash": ((512, 64), (1024, 2), (8192, 2)),
                       "V4-Pro": ((1024, 64), (1024, 2), (8192, 2)),
                       "V4.1-Flash": ((512, 32), (512, 128), (512, 256))}[model]
             for extra_topk, extra_page in extras:
                 out.append(DeploymentShape(model, h, 128 if model != "V4.1-Flash" else 1152, 64,
-                                           extra_topk, extra_page))
+                                           extra_topk, extra_page, kv_format=fmt))
     for model, kv_format, hs, topk, page in _INDEXER_MODELS:
         out += [DeploymentShape(model, h, topk, page, kv_format=kv_format) for h in hs]
     return out

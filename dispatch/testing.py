@@ -36,8 +36,12 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
     that a kernel that reads one produces NaN: the padding between blocks (``block_stride``
     past the block's bytes), and for an inline format the bytes of a row past its data (a
     ``row_stride`` wider than the row, GLM-5.3's 528-byte rows in 656-byte pool rows). Blocks
-    in ``poison_blocks`` are 0xFF throughout. MODEL1's footer pad byte is 0 (as vLLM and
-    FlashInfer write it).
+    in ``poison_blocks`` are 0xFF throughout (NVFP4: e2m1 -6 times an e4m3 NaN scale, NaN).
+    MODEL1's footer pad byte is 0 (as vLLM and FlashInfer write it), and so are the 4 pad bytes
+    of an NVFP4 footer record (its specification). An NVFP4 cache (``model1_nvfp4``) is
+    FlashInfer's writer's: random e2m1 codes of the random latent, E4M3 scale bytes amax / 6 of
+    each 16-dim group (``spread``, ``scale_spread`` widen them over more binades; never NaN
+    but in a poisoned block).
 
     ``row_stride``: inline formats only, bytes between a block's rows (a multiple of 16, at
     least the row; default the format's first pitch). ``block_stride``: bytes between blocks
@@ -54,7 +58,9 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
     from 0, 1, 2 (2**-127 .. 2**-125): a kernel that takes byte 0 for 0 rather than 2**-127
     gets it wrong. FP32: every scale FLT_MIN = 2**-126 (vLLM's floor) times a factor drawn from
     [1, 4) (a quarter exactly 1): normal FP32 numbers that no narrower float (f16, bf16
-    products of two of them) holds, not powers of two. The e4m3 codes stay the writer's.
+    products of two of them) holds, not powers of two. E4M3 (NVFP4): every scale byte drawn
+    from 1..8, the e4m3 subnormals m * 2**-9 (m = 1..7) and the smallest normal 2**-6: a kernel
+    that flushes subnormal scales to 0 gets it wrong. The codes stay the writer's.
 
     ``layout``: "nhd" ``[num_blocks, P, 1, W]``, "hnd" ``[num_blocks, 1, P, W]``, "flat"
     ``[num_blocks, P * W]`` (needs the format's default row pitch), "fp8" (NHD as
@@ -93,10 +99,11 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
         rows = buf[:, :page * fmt.row_bytes].view(num_blocks, page, fmt.row_bytes)
     if tiny:
         rows[..., fmt.rope_offset:] = 0
-        if fmt.scale_type == "ue8m0":
+        if fmt.scale_type in ("ue8m0", "e4m3"):  # one byte per scale, in the footer
+            low, high = (0, 3) if fmt.scale_type == "ue8m0" else (1, 9)
             footer = buf[:, page * fmt.row_bytes:page * fmt.bytes_per_token].view(num_blocks, page, fmt.footer_bytes)
-            footer[..., :fmt.num_scales] = torch.randint(0, 3, (num_blocks, page, fmt.num_scales), generator=gen,
-                                                         dtype=torch.uint8).to(device)
+            footer[..., :fmt.num_scales] = torch.randint(low, high, (num_blocks, page, fmt.num_scales),
+                                                         generator=gen, dtype=torch.uint8).to(device)
         else:
             shape = (num_blocks, page, fmt.num_scales)
             factor = torch.where(torch.rand(shape, generator=gen) < 0.25, 1.0, 1.0 + 3.0 * torch.rand(shape, generator=gen))

@@ -1,13 +1,21 @@
 """Benchmark sparse-MLA decode on a GPU (``docs/performance.md`` has the method and the results).
 
-    python -m scripts.bench [--kv-format NAME] [--json out.json] [--quick] [--precision P ...]
-                            [--tokens 1,64] [--head-groups G] [--stages S] [--no-torch]
+    python -m scripts.bench [--kv-format NAME] [--vs-kv-format NAME] [--long-context] [--json out.json]
+                            [--quick] [--precision P ...] [--tokens 1,64] [--head-groups G] [--stages S]
+                            [--no-torch]
 
 ``--kv-format`` (default model1_fp8; ``dispatch.kv_formats.FORMATS``) picks the cache format
 and with it the grid (``grid_for``): MODEL1 runs T {1, 8, 64, 256} x H {16, 64, 128} x topk
 {128, 512, 1024, 128 + 512 extra}, the shapes FlashMLA was measured on; a format without an
 extra cache runs T {1, 8, 64, 256} x H {16, 64, 128} x the top-k its models use in the
 deployment registry (``dispatch.registry``: 2048 for v32_fp8, 2176 for glm_nope_fp8).
+
+``--vs-kv-format NAME`` also times every shape on caches of format NAME (same slots, same q,
+the first precision) and adds the columns "us NAME" and "x NAME" (NAME's time / this one's):
+two formats in the same run, for example ``--kv-format model1_nvfp4 --vs-kv-format
+model1_fp8``. ``--long-context`` adds the 1M-context decode shape of DeepSeek-V4, T=8, H=64,
+main 128 + extra 8192 from a cache of 2-token pages ("128+8192@2"; C128 compression of a
+million tokens), to a grid with an extra list.
 
 ``--precision`` (repeatable: bf16, f16, fp8, default) times each listed compute path; the
 table's main columns are the first one's (default: the path the dispatch picks), the others
@@ -18,9 +26,10 @@ Method: caches of 4096 page blocks x 64 tokens (262,144 tokens) in the format's 
 its default block stride (MODEL1: 37,440 bytes) and row pitch; q = randn bf16, d_qk wide;
 sm_scale = the format's d_qk**-0.5. Single-cache shapes gather uniform random slots;
 "128+512" shapes take main = the last 128 tokens of a sequence through a random block table
-and extra = 512 random slots of a second cache. Each call is captured in one CUDA graph and
+and extra = 512 random slots of a second cache ("128+8192@2": 8192 of a cache of the same
+262,144 tokens in 2-token pages). Each call is captured in one CUDA graph and
 replayed; time = median of ``triton.testing.do_bench`` (which clears L2 before every call).
-GB/s counts T x (topk + extra_topk) x the format's bytes per token (584, 656, 528). The copy
+GB/s counts T x (topk + extra_topk) x the format's bytes per token (584, 384, 656, 528). The copy
 ceiling is measured in the same run (a 4 GiB device-to-device copy, bytes read + written).
 "%mma" is the call's tensor work (``tensor_flops``: QK over d_qk dims and PV over d_v
 columns per head and entry) per second
@@ -45,7 +54,7 @@ from pathlib import Path
 import torch
 
 
-from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, FORMATS, KvFormat, get_format
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode
 from dispatch.registry import DEPLOYMENT_SHAPES
@@ -93,11 +102,14 @@ GRID = [(T, H, s) for T in (1, 8, 64, 256) for H in (16, 64, 128) for s in ("128
 QUICK_TOKENS = (1, 64)
 
 
+LONG_CONTEXT = (8, 64, "128+8192@2")  # --long-context: 1M tokens of context, C128-compressed
+
+
 def grid_for(kv_format: str) -> list[tuple[int, int, str]]:
-    """The bench grid of a format: MODEL1's is ``GRID`` (FlashMLA's times are for it); a
-    format without an extra cache runs the same tokens and heads at each top-k its models
-    use in the deployment registry (one source for both)."""
-    if kv_format == DEFAULT_FORMAT:
+    """The bench grid of a format: a format with an extra cache (MODEL1 FP8 and NVFP4) runs
+    ``GRID`` (FlashMLA's times are for MODEL1's); a format without one runs the same tokens and
+    heads at each top-k its models use in the deployment registry (one source for both)."""
+    if kv_format in EXTRA_FORMATS:
         return GRID
     topks = sorted({s.topk for s in DEPLOYMENT_SHAPES if s.kv_format == kv_format and not s.extra_topk})
     return [(T, H, str(k)) for T in (1, 8, 64, 256) for H in (16, 64, 128) for k in topks]
@@ -106,13 +118,31 @@ def grid_for(kv_format: str) -> list[tuple[int, int, str]]:
 def list_lengths(shape: str) -> tuple[int, int]:
     """(topk, extra_topk) of a grid shape."""
     topk, _, extra = shape.partition("+")
-    return int(topk), int(extra or 0)
+    return int(topk), int(extra.partition("@")[0] or 0)
 
 
-def inputs(T, H, shape, caches, gen, kv_format: str = DEFAULT_FORMAT):
-    """q, the main cache, its slots, the extra cache's keyword arguments and the entries per
-    token of a grid shape (``kv_format``: the caches' format, for q's width)."""
-    main, extra = caches
+def extra_page_of(shape: str) -> int:
+    """The extra cache's page size of a grid shape ("128+8192@2": 2; default ``PAGE``)."""
+    return int(shape.partition("@")[2] or PAGE)
+
+
+class Caches:
+    """The bench's caches, built on first use: per (format, role, page), 4096 x 64 tokens."""
+
+    def __init__(self, gen: torch.Generator):
+        self.gen, self.built = gen, {}
+
+    def get(self, kv_format: str, role: str, page: int = PAGE) -> torch.Tensor:
+        key = (kv_format, role, page)
+        if key not in self.built:
+            self.built[key] = make_cache(NUM_BLOCKS * PAGE // page, page, device="cuda", kv_format=kv_format,
+                                         gen=self.gen)
+        return self.built[key]
+
+
+def inputs(T, H, shape, gen, kv_format: str = DEFAULT_FORMAT):
+    """q, the main slots, the extra slots (or None) and the entries per token of a grid shape
+    (``kv_format``: the caches' format, for q's width)."""
     q = torch.randn(T, H, get_format(kv_format).d_qk, generator=gen, device="cuda").to(torch.bfloat16)
     topk, extra_topk = list_lengths(shape)
     if extra_topk:  # main: the last `topk` tokens of each sequence through a random block table
@@ -121,9 +151,16 @@ def inputs(T, H, shape, caches, gen, kv_format: str = DEFAULT_FORMAT):
         pos = end - topk + torch.arange(topk, device="cuda")
         idx = (table[pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
         e_idx = torch.randint(0, NUM_BLOCKS * PAGE, (T, extra_topk), generator=gen, device="cuda", dtype=torch.int32)
-        return q, main, idx, dict(extra_kv_cache=extra, extra_indices=e_idx), topk + extra_topk
+        return q, idx, e_idx, topk + extra_topk
     idx = torch.randint(0, NUM_BLOCKS * PAGE, (T, topk), generator=gen, device="cuda", dtype=torch.int32)
-    return q, main, idx, {}, topk
+    return q, idx, None, topk
+
+
+def call_inputs(shape: str, caches: Caches, kv_format: str, e_idx):
+    """The main cache and the extra cache's keyword arguments of a grid shape in ``kv_format``."""
+    kw = {} if e_idx is None else dict(extra_kv_cache=caches.get(kv_format, "extra", extra_page_of(shape)),
+                                       extra_indices=e_idx)
+    return caches.get(kv_format, "main"), kw
 
 
 def plan_runner(q, cache, idx, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT):
@@ -150,23 +187,30 @@ def graph_time_us(fn) -> float:
 
 def print_table(rows: list, precisions: list) -> None:
     """The bench table (``FLASHMLA_US`` as this module has it, also for an older JSON's rows)."""
-    print(f"{'T':>4} {'H':>4} {'topk':>8} {'us':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>7} {'%mma':>6} "
+    vs = rows[0].get("vs_kv_format") if rows else None
+    print(f"{'T':>4} {'H':>4} {'topk':>10} {'us':>8} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>7} {'%mma':>6} "
           f"{'torch us':>9} {'x torch':>8} "
-          f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:]))
+          f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:])
+          + (f" {'us ' + vs:>17} {'x ' + vs:>16}" if vs else ""))
     for r in rows:
         model1 = r.get("kv_format", DEFAULT_FORMAT) == DEFAULT_FORMAT  # an older JSON's rows are MODEL1's
         fm = FLASHMLA_US.get((r["T"], r["H"], r["topk"])) if model1 else None
         fm = f"{fm:>11.1f} {fm / r['us']:>10.2f}" if fm else f"{'-':>11} {'-':>10}"
-        print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>8} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
+        print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>10} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
               f"{r['tflops']:>7.0f} {100 * r['frac_mma']:>5.1f}% "
               f"{r['torch_us']:>9.1f} {r['speedup_vs_torch']:>8.1f} {fm}"
-              + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:]))
+              + "".join(f" {r['us_by_precision'][p]:>9.1f}" for p in precisions[1:])
+              + (f" {r['vs_us']:>17.1f} {r['vs_us'] / r['us']:>16.2f}" if vs else ""))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-format", default=DEFAULT_FORMAT, choices=sorted(FORMATS),
                     help="the caches' format, and with it the grid (default: %(default)s)")
+    ap.add_argument("--vs-kv-format", choices=sorted(FORMATS),
+                    help="also time every shape on caches of this format (same slots and q) and compare")
+    ap.add_argument("--long-context", action="store_true",
+                    help="add the 1M-context shape T=8 H=64 128+8192 (extra cache in 2-token pages)")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     ap.add_argument("--from-json", help="print the table of an earlier --json run and exit (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="T=1 and 64 only, no torch reference")
@@ -187,15 +231,20 @@ def main(argv=None) -> int:
     overrides = PlanOverrides(head_groups=args.head_groups, num_stages=args.stages)
     fmt = get_format(args.kv_format)
     full_grid = grid_for(fmt.name)
+    vs = get_format(args.vs_kv_format) if args.vs_kv_format else None
+    if vs is not None and (vs.d_qk != fmt.d_qk or grid_for(vs.name) != full_grid):
+        ap.error(f"--vs-kv-format {vs.name}: not the same grid and query width as {fmt.name}")
+    if args.long_context:
+        if fmt.name not in EXTRA_FORMATS:
+            ap.error(f"--long-context: {fmt.name} has no extra cache")
+        full_grid = full_grid + [LONG_CONTEXT]
     # the MMA ceilings build CuTe DSL kernels: imported by a run only, so that the grid and the
     # table import anywhere (scripts.sm120_forecast, --from-json)
     from scripts.mma_ceiling import HEAD_GROUPS, converted_ceiling_tflops, mma_ceiling_tflops
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
-    has_extra = any(list_lengths(s)[1] for _, _, s in full_grid)
-    caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", kv_format=fmt.name, gen=cpu_gen),
-              make_cache(NUM_BLOCKS, PAGE, device="cuda", kv_format=fmt.name, gen=cpu_gen) if has_extra else None)
+    caches = Caches(cpu_gen)
     ceiling = copy_ceiling_gbs()
     mma_tflops = mma_ceiling_tflops()
     conv_tflops = {16 * g: converted_ceiling_tflops(g) for g in HEAD_GROUPS}  # heads per operand -> TFLOP/s
@@ -208,9 +257,15 @@ def main(argv=None) -> int:
             if (not args.quick or row[0] in QUICK_TOKENS) and (tokens is None or row[0] in tokens)]
     rows = []
     for n, (T, H, shape) in enumerate(grid):
-        q, cache, idx, kw, entries = inputs(T, H, shape, caches, gen, fmt.name)
+        q, idx, e_idx, entries = inputs(T, H, shape, gen, fmt.name)
+        cache, kw = call_inputs(shape, caches, fmt.name, e_idx)
         times = {p: graph_time_us(plan_runner(q, cache, idx, kw, None if p == "default" else p, overrides, fmt.name))
                  for p in precisions}
+        vs_us = None
+        if vs is not None:
+            vs_cache, vs_kw = call_inputs(shape, caches, vs.name, e_idx)
+            first = None if precisions[0] == "default" else precisions[0]
+            vs_us = graph_time_us(plan_runner(q, vs_cache, idx, vs_kw, first, overrides, vs.name))
         us = times[precisions[0]]
         ref_us = (math.nan if args.quick or args.no_torch
                   else graph_time_us(lambda: reference_decode(q, cache, idx, dtype=torch.float32, kv_format=fmt.name,
@@ -221,9 +276,11 @@ def main(argv=None) -> int:
         row = dict(kv_format=fmt.name, T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, tflops=tflops,
                    frac_mma=tflops / mma_tflops, torch_us=ref_us,
                    speedup_vs_torch=ref_us / us, flashmla_us=fm, vs_flashmla=(fm / us) if fm else None,
-                   precision=precisions[0], us_by_precision=times)
+                   precision=precisions[0], us_by_precision=times,
+                   vs_kv_format=vs.name if vs else None, vs_us=vs_us)
         rows.append(row)
-        print(f"[{n + 1}/{len(grid)}] T={T} H={H} topk={shape}: {us:.1f} us", file=sys.stderr, flush=True)
+        print(f"[{n + 1}/{len(grid)}] T={T} H={H} topk={shape}: {us:.1f} us"
+              + (f", {vs.name} {vs_us:.1f} us" if vs else ""), file=sys.stderr, flush=True)
     print_table(rows, precisions)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), kv_format=fmt.name,

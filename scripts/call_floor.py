@@ -18,8 +18,8 @@ import torch
 
 
 from dispatch import sparse_mla_decode
-from scripts.bench import NUM_BLOCKS, PAGE, graph_time_us, inputs
-from dispatch.testing import make_cache
+from scripts.bench import Caches, call_inputs, graph_time_us, inputs
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
 
 DEFAULT_SHAPES = ["1x16x128", "1x64x1024", "1x128x1024", "1x128x128+512", "8x16x128", "8x128x1024"]
 
@@ -56,11 +56,11 @@ def main(argv=None) -> int:
           f"of two: {graph_time_us(lambda: (x.add_(1.0), x.mul_(1.0))):.2f} us")
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
-    caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
-              make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
+    caches = Caches(cpu_gen)
     for spec in shapes:
         T, H, shape = spec.split("x")
-        q, cache, idx, kw, _ = inputs(int(T), int(H), shape, caches, gen)
+        q, idx, e_idx, _ = inputs(int(T), int(H), shape, gen)
+        cache, kw = call_inputs(shape, caches, DEFAULT_FORMAT, e_idx)
         fn = lambda: sparse_mla_decode(q, cache, idx, **kw)  # noqa: E731
         print(f"{spec}: bench {graph_time_us(fn):.1f} us")
         for name, us in kernel_durations_us(fn).items():

@@ -26,8 +26,8 @@ import torch
 from dispatch import PlanOverrides, validate_call
 from dispatch.selection import select_kernels
 from dispatch.splits import MAX_SPLITS
-from dispatch.testing import make_cache
-from scripts.bench import NUM_BLOCKS, PAGE, graph_time_us, inputs, plan_runner
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
+from scripts.bench import Caches, call_inputs, graph_time_us, inputs, plan_runner
 
 
 def split_candidates(num_chunks: int) -> set:
@@ -52,12 +52,12 @@ def main(argv=None) -> int:
     specs = argv or [f"{T}x{H}x{s}" for T in (1, 8) for H in (16, 64, 128) for s in ("128", "512", "1024", "128+512")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
-    caches = (make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen),
-              make_cache(NUM_BLOCKS, PAGE, device="cuda", gen=cpu_gen))
+    caches = Caches(cpu_gen)
     for spec in specs:
         T, H, shape = spec.split("x", 2)
         T, H = int(T), int(H)
-        q, cache, idx, kw, _ = inputs(T, H, shape, caches, gen)
+        q, idx, e_idx, _ = inputs(T, H, shape, gen)
+        cache, kw = call_inputs(shape, caches, DEFAULT_FORMAT, e_idx)
         call = validate_call(q, cache, idx, precision=precision, **kw)
         selection = select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision,
                                    PlanOverrides(head_groups=groups))

@@ -18,7 +18,7 @@ from dispatch.registry import DEPLOYMENT_SHAPES, registry_variants
 from dispatch.variants import variant_space
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICE = "merge_t128_b8|_f16_g1x16.*len11_final1_sink1"  # two merge variants (batch 8) and one partial variant
+SLICE = "merge_t128_b8|model1_fp8_f16_g1x16.*len11_final1_sink1"  # two merge variants (batch 8) and one partial variant
 # one "f16" partial variant of each inline-scale format
 FORMAT_SLICE = "partial_(v32_fp8|glm_nope_fp8)_f16_g1x16.*len00_final1_sink0"
 
@@ -84,9 +84,10 @@ def test_the_build_builds_the_registry_and_the_registry_is_the_variant_space():
 
 
 def test_deployment_grid_holds_every_format():
-    """The models served per format: DeepSeek-V4 (MODEL1), DeepSeek-V3.2 and GLM-5.x (656-byte
-    rows, topk 2048), GLM-5.3 (rope-free rows, topk 2176, with 16 heads at TP4: the one-group
-    final-mode kernels are reached only below 17 heads), all on page 64 without an extra cache."""
+    """The models served per format: DeepSeek-V4 (MODEL1 FP8; V4-Flash and V4-Pro also NVFP4,
+    on the same shapes), DeepSeek-V3.2 and GLM-5.x (656-byte rows, topk 2048), GLM-5.3
+    (rope-free rows, topk 2176, with 16 heads at TP4: the one-group final-mode kernels are
+    reached only below 17 heads), all on page 64 without an extra cache."""
     by_model = {}
     for s in DEPLOYMENT_SHAPES:
         by_model.setdefault((s.model, s.kv_format), set()).add((s.num_heads, s.topk, s.page_block_size, s.extra_topk))
@@ -94,7 +95,10 @@ def test_deployment_grid_holds_every_format():
     assert by_model[("GLM-5.x", "v32_fp8")] == {(h, 2048, 64, 0) for h in (64, 32, 16, 8, 4)}
     assert by_model[("GLM-5.3", "glm_nope_fp8")] == {(h, 2176, 64, 0) for h in (64, 32, 16)}
     assert {f for _, f in by_model} == set(FORMATS)
-    assert all(f == "model1_fp8" for m, f in by_model if m.startswith("V4"))
+    assert {f for m, f in by_model if m.startswith("V4")} == {"model1_fp8", "model1_nvfp4"}
+    for model in ("V4-Flash", "V4-Pro"):
+        assert by_model[(model, "model1_nvfp4")] == by_model[(model, "model1_fp8")]
+    assert ("V4.1-Flash", "model1_nvfp4") not in by_model  # vLLM keeps V4.1 in the FP8 record
 
 
 def test_inline_formats_build_without_spills(built_formats):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import (
-    WRITERS, CacheLayoutError, decode_scales, default_block_stride, format_of, gather_slot_parts, gather_slots,
-    pack_latent, page_division_magic, quantize_latent, read_cache_view, unpack_cache,
+    WRITERS, CacheLayoutError, decode_scales, default_block_stride, e2m1_decode, e2m1_encode, format_of,
+    gather_slot_parts, gather_slots, pack_latent, page_division_magic, quantize_latent, read_cache_view,
+    unpack_cache,
 )
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, get_format
 from dispatch.testing import make_cache, view_width
@@ -21,6 +22,11 @@ from tests.fp_spec import e4m3_value, f32
 from tests.tolerances import seed_for
 
 MODEL1_TOKEN_BYTES = 584
+# MODEL1 NVFP4 (FlashInfer's DeepSeek-V4 NVFP4 cache): per block of P tokens, token t's 224 bytes
+# of e2m1 pairs then 64 bf16 rope values at t * 352, its footer record at P * 352 + 32 t: 28
+# E4M3 scale bytes (byte g scales dims 16g..16g+15), then 4 bytes that are 0
+NVFP4_TOKEN_BYTES, NVFP4_ROW, NVFP4_RECORD, NVFP4_NOPE_BYTES = 384, 352, 32, 224
+TOKEN_BYTES = {"model1_fp8": MODEL1_TOKEN_BYTES, "model1_nvfp4": NVFP4_TOKEN_BYTES}
 FILL = 0xA5  # the packer's filler in the byte tests: no data byte of the test latents is checked against it
 
 
@@ -42,6 +48,34 @@ def e4m3_code(x: float) -> int:
     return sign | (lo if d_lo < d_hi or (d_lo == d_hi and lo % 2 == 0) else hi)
 
 
+def e2m1_value(code: int) -> float:
+    """The value of an e2m1 nibble s ee m: exponent bias 1, e == 0 subnormal m / 2."""
+    sign = -1.0 if code & 8 else 1.0
+    e, m = (code >> 1) & 3, code & 1
+    return sign * (m / 2 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1))
+
+
+_E2M1_POSITIVE = [e2m1_value(c) for c in range(8)]  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
+
+
+def e2m1_code(x: float) -> int:
+    """The e2m1 nibble of ``x`` as a satfinite round-to-nearest-even conversion writes it
+    (saturating at 6, the sign of a zero kept, NaN +6)."""
+    if math.isnan(x):
+        return 7
+    sign = 8 if math.copysign(1.0, x) < 0 else 0
+    a = Fraction(min(abs(x), 6.0))
+    dist = [abs(a - Fraction(v)) for v in _E2M1_POSITIVE]
+    best = min(range(8), key=lambda i: (dist[i], i % 2))  # nearest; on a tie the even code
+    return sign | best
+
+
+def f32_step(x: float, k: int) -> float:
+    """The float32 ``k`` steps from float32 ``x`` > 0 (k < 0: below)."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return struct.unpack("<f", struct.pack("<I", bits + k))[0]
+
+
 def pow2_ceil(r: float) -> float:
     """2**ceil(log2(r)) for r > 0, exactly."""
     m, e = math.frexp(r)  # r = m * 2**e, m in [0.5, 1)
@@ -53,9 +87,14 @@ def expected_group(kv_format: str, writer: str, xs: list):
     float32 values ``xs`` as ``writer`` writes ``kv_format`` (the recipes of the formats' note:
     FlashMLA pow2-ceil with the ratio floor, vLLM's V4 compressor pow2-ceil with the amax floor,
     vLLM's fp8_ds_mla max(amax / 448, FLT_MIN) and x / s, SGLang amax / 448 and x * (1 / s), b12x's
-    GLM-5.3 writer amax * fl32(1 / 448) (1 for an all-zero group) and x * (1 / s))."""
+    GLM-5.3 writer amax * fl32(1 / 448) (1 for an all-zero group) and x * (1 / s); FlashInfer's
+    NVFP4 writer: the E4M3 byte of amax / 6, e2m1 codes of x * (1 / s), all 0 where s is 0)."""
     amax = max(abs(x) for x in xs)
     fmt = get_format(kv_format)
+    if writer == "flashinfer":
+        sb = e4m3_code(f32(amax / 6))
+        s = e4m3_value(sb)
+        return bytes([sb]), [0] * len(xs) if s == 0 else [e2m1_code(f32(x * f32(1 / s))) for x in xs]
     if writer == "flashmla":
         s = pow2_ceil(max(f32(amax / 448), f32(1e-4)))
     elif writer == "vllm" and fmt.scale_type == "ue8m0":
@@ -127,11 +166,53 @@ def special_groups(group: int, count: int, gen: torch.Generator) -> list:
     return out
 
 
+# an E4M3 scale whose float32 reciprocal is above 1 / s, and values at e2m1 ties times it that
+# x * (1 / s) rounds one code above x / s (FlashInfer's recipe against exact division)
+S_0F = e4m3_value(0x0F)  # 15/8 * 2**-6 = 0.029296875
+RECIPROCAL_SPLITS = [1.25 * S_0F, 2.5 * S_0F, 5.0 * S_0F]  # codes 3, 5, 7 (x / s: 2, 4, 6)
+
+
+def nvfp4_special_groups(count: int, gen: torch.Generator) -> list:
+    """``count`` groups of 16 float32 values cycling through the cases of FlashInfer's NVFP4
+    recipe: all zeros; s = 1 with every e2m1 tie of either sign and a -0; s = 1 with values one
+    float32 step on either side of the ties; amax / 6 at the e4m3 tie 2**-10 (s = 0: codes 0);
+    amax / 6 a step above it (s = 2**-9, the smallest subnormal); amax far past 6 * 448 (s =
+    448, codes saturated); s = 0x0F, whose float32 reciprocal splits x * (1 / s) from x / s;
+    random values with non-power-of-two scales; values over 30 binades (most below a code's
+    reach)."""
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    out = []
+    for i in range(count):
+        rnd = [f32(v) for v in torch.randn(16, generator=gen).tolist()]
+        kind = i % 9
+        if kind == 0:
+            g = [0.0] * 16
+        elif kind == 1:
+            g = [6.0] + ties + [-t for t in ties] + [-0.0]
+        elif kind == 2:
+            g = [6.0] + [f32_step(t, d) for t in ties for d in (-1, 1)] + [-f32_step(5.0, 1)]
+        elif kind == 3:
+            g = [6 * 2.0**-10] + [v * 2.0**-14 for v in rnd[1:]]
+        elif kind == 4:
+            g = [f32_step(6 * 2.0**-10, 1)] + [v * 2.0**-14 for v in rnd[1:]]
+        elif kind == 5:
+            g = [1e6, -3000.0, 2688.0, 448.0] + [v * 100 for v in rnd[4:]]
+        elif kind == 6:
+            g = [6 * S_0F] + RECIPROCAL_SPLITS + [-v for v in RECIPROCAL_SPLITS] + [v * S_0F for v in rnd[7:]]
+        elif kind == 7:
+            g = [f32(v * (0.3 + abs(rnd[0]))) for v in rnd]
+        else:
+            g = [f32(v * 2.0 ** (j * 2 - 15)) for j, v in enumerate(rnd)]
+        out.append(g[:16])
+    return out
+
+
 def make_test_latent(kv_format: str, num_blocks: int, page: int, gen: torch.Generator) -> torch.Tensor:
     """A float32 latent ``[num_blocks, P, d_qk]`` of ``special_groups`` (sglang's all-zero group
-    included) and bf16 rope values."""
+    included; ``nvfp4_special_groups`` for an e2m1 format) and bf16 rope values."""
     fmt = get_format(kv_format)
-    groups = special_groups(fmt.scale_group, num_blocks * page * fmt.num_scales, gen)
+    count = num_blocks * page * fmt.num_scales
+    groups = nvfp4_special_groups(count, gen) if fmt.e2m1 else special_groups(fmt.scale_group, count, gen)
     nope = torch.tensor(groups, dtype=torch.float32).reshape(num_blocks, page, fmt.nope_dims)
     rope = (torch.randn(num_blocks, page, fmt.rope_dims, generator=gen) * 3).bfloat16().float()
     return torch.cat([nope, rope], dim=-1)
@@ -142,6 +223,8 @@ def expected_bytes(latent: torch.Tensor, kv_format: str, writer: str, block_stri
     sign) computed from the specification."""
     fmt = get_format(kv_format)
     nb, page, _ = latent.shape
+    if fmt.e2m1:
+        return expected_nvfp4_bytes(latent, block_stride), []
     pitch = row_stride or (fmt.row_pitches[0] if fmt.inline else MODEL1_TOKEN_BYTES)
     buf = bytearray([FILL]) * (nb * block_stride)
     nan_at = []
@@ -170,6 +253,30 @@ def expected_bytes(latent: torch.Tensor, kv_format: str, writer: str, block_stri
     return buf, nan_at
 
 
+def expected_nvfp4_bytes(latent: torch.Tensor, block_stride: int) -> bytearray:
+    """The bytes of a MODEL1 NVFP4 buffer (FlashInfer's writer) from the specification: the
+    nibbles of element 2i (low) and 2i + 1 (high) in byte i, the E4M3 scale bytes, 4 zero pad
+    bytes per record, the rope's bf16 bytes; FILL elsewhere."""
+    nb, page, _ = latent.shape
+    buf = bytearray([FILL]) * (nb * block_stride)
+    for b in range(nb):
+        for t in range(page):
+            x = latent[b, t].tolist()
+            row = b * block_stride + t * NVFP4_ROW
+            record = b * block_stride + page * NVFP4_ROW + t * NVFP4_RECORD
+            codes = []
+            for g in range(28):
+                scale, group_codes = expected_group("model1_nvfp4", "flashinfer", x[16 * g:16 * g + 16])
+                buf[record + g] = scale[0]
+                codes += group_codes
+            buf[record + 28:record + 32] = bytes(4)
+            for i in range(NVFP4_NOPE_BYTES):
+                buf[row + i] = codes[2 * i] | codes[2 * i + 1] << 4
+            for r in range(64):
+                buf[row + NVFP4_NOPE_BYTES + 2 * r:row + NVFP4_NOPE_BYTES + 2 * r + 2] = bf16_bytes(x[448 + r])
+    return buf
+
+
 def storage_bytes(cache: torch.Tensor) -> bytes:
     return bytes(cache.untyped_storage().cpu())
 
@@ -177,6 +284,7 @@ def storage_bytes(cache: torch.Tensor) -> bytes:
 WRITER_CASES = [(f, w) for f in FORMATS for w in WRITERS[f]]
 STRIDE_CASES = {  # (row stride, extra bytes of block padding); None: the format's default
     "model1_fp8": [(None, 0), (None, 48)],
+    "model1_nvfp4": [(None, 0), (None, 48)],
     "v32_fp8": [(None, 0), (672, 32), (1024, 0)],
     "glm_nope_fp8": [(None, 0), (528, 16), (656, 0), (656, 160), (672, 0)],
 }
@@ -193,11 +301,11 @@ def test_packer_bytes_match_the_specification(kv_format, writer):
     page = 9
     latent = make_test_latent(kv_format, 2, page, gen)
     for row_stride, pad in STRIDE_CASES[kv_format]:
-        pitch = row_stride or (fmt.row_pitches[0] if fmt.inline else MODEL1_TOKEN_BYTES)
+        pitch = row_stride or (fmt.row_pitches[0] if fmt.inline else TOKEN_BYTES[kv_format])
         if fmt.inline:
             used = (page - 1) * pitch + fmt.row_bytes
         else:
-            used = page * MODEL1_TOKEN_BYTES
+            used = page * TOKEN_BYTES[kv_format]
         block_stride = -(-used // 16) * 16 + pad
         cache = pack_latent(latent, kv_format, writer=writer, block_stride=block_stride, row_stride=row_stride,
                             fill=FILL)
@@ -258,7 +366,7 @@ def test_pack_latent_refuses_bad_strides(kv_format):
             pack_latent(latent, kv_format, row_stride=fmt.row_bytes + 8)
         with pytest.raises(ValueError, match="row_stride"):
             pack_latent(latent, kv_format, row_stride=fmt.row_bytes - 16)
-    used = 3 * (fmt.row_pitches[0] if fmt.inline else 0) + (fmt.row_bytes if fmt.inline else 4 * 584)
+    used = 3 * (fmt.row_pitches[0] if fmt.inline else 0) + (fmt.row_bytes if fmt.inline else 4 * fmt.bytes_per_token)
     with pytest.raises(ValueError, match="block_stride"):
         pack_latent(latent, kv_format, block_stride=used - 16)
     with pytest.raises(ValueError, match="block_stride"):
@@ -288,10 +396,13 @@ def _unpacked_from_the_spec(latent, kv_format, writer):
             x = latent[b, t].tolist()
             for g in range(fmt.num_scales):
                 scale, codes = expected_group(kv_format, writer, x[g * fmt.scale_group:(g + 1) * fmt.scale_group])
-                s = 2.0 ** (scale[0] - 127) if len(scale) == 1 else struct.unpack("<f", scale)[0]
+                if fmt.e2m1:
+                    s, value = e4m3_value(scale[0]), e2m1_value
+                else:
+                    s, value = 2.0 ** (scale[0] - 127) if len(scale) == 1 else struct.unpack("<f", scale)[0], e4m3_value
                 scales[b, t, g] = s
                 for j, c in enumerate(codes):
-                    out[b, t, g * fmt.scale_group + j] = math.nan if c is None else e4m3_value(c) * s
+                    out[b, t, g * fmt.scale_group + j] = math.nan if c is None else value(c) * s
             out[b, t, fmt.nope_dims:] = torch.tensor(x[fmt.nope_dims:], dtype=torch.float64)
     return out, scales
 
@@ -318,8 +429,13 @@ def test_round_trip_every_writer_and_stride(kv_format, writer):
         assert torch.equal(back[..., fmt.nope_dims:], latent[..., fmt.nope_dims:])
         nope, x = back[..., :fmt.nope_dims].double(), latent[..., :fmt.nope_dims].double()
         groups = x.reshape(3, 5, fmt.num_scales, fmt.scale_group)
-        half_step = scales[..., None] * 2.0**-10  # half of e4m3's subnormal step, scaled
         err = (nope - x).abs().reshape(groups.shape)
+        if fmt.e2m1:  # half of e2m1's step (0.25 below 1, a quarter of the value above), or saturated at 6 s
+            bound = groups.abs() * 2.0**-2 + scales[..., None] * 2.0**-2
+            bound = torch.maximum(bound, groups.abs() - 6 * scales[..., None])
+            assert (err <= bound * (1 + 2.0**-20)).all()
+            continue
+        half_step = scales[..., None] * 2.0**-10  # half of e4m3's subnormal step, scaled
         assert (err <= (groups.abs() * 2.0**-4 + half_step) * (1 + 2.0**-20)).all()
 
 
@@ -333,7 +449,10 @@ def test_group_amax_uses_the_range(kv_format):
     for writer in WRITERS[kv_format]:
         codes, scales, _ = quantize_latent(latent, kv_format, writer)
         top = codes.float().abs().reshape(4, 16, fmt.num_scales, fmt.scale_group).amax(-1)
-        if writer in ("vllm", "sglang", "b12x") and fmt.scale_type == "fp32":
+        if fmt.e2m1:  # s = e4m3(amax / 6), within 2**-4 of amax / 6: amax / s rounds to 6
+            assert (top == 6).all() and codes.dtype == torch.float32
+            assert (torch.frexp(scales).mantissa != 0.5).any()
+        elif writer in ("vllm", "sglang", "b12x") and fmt.scale_type == "fp32":
             assert (top == 448).all()
             assert (torch.frexp(scales).mantissa != 0.5).any()  # not powers of two
         else:
@@ -419,7 +538,8 @@ def test_format_of_names_or_refuses_by_width():
     with pytest.raises(CacheLayoutError, match=r"528 bytes wide is ambiguous: pass kv_format= .*glm_nope_fp8"):
         format_of(torch.zeros(2, 4, 1, 528, dtype=torch.uint8), None)
     with pytest.raises(CacheLayoutError, match=r"no cache format has 600-byte rows: pass kv_format= "
-                                               r"\(one of \['glm_nope_fp8', 'model1_fp8', 'v32_fp8'\]\)"):
+                                               r"\(one of \['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', "
+                                               r"'v32_fp8'\]\)"):
         format_of(torch.zeros(2, 4, 1, 600, dtype=torch.uint8), None)
     # MODEL1's 576 data bytes per row are no view width (its views are 584 wide): not ambiguous
     with pytest.raises(CacheLayoutError, match="no cache format has 576-byte rows"):
@@ -474,7 +594,7 @@ def test_bad_views_are_refused(kv_format, make, message):
 # ---------------------------------------------------------------------- the test inputs (dispatch.testing)
 @pytest.mark.parametrize("kv_format,row_stride,layout", [
     ("v32_fp8", 672, "nhd"), ("v32_fp8", None, "flat"), ("glm_nope_fp8", 656, "hnd"), ("glm_nope_fp8", 528, "fp8"),
-    ("model1_fp8", None, "nhd"),
+    ("model1_fp8", None, "nhd"), ("model1_nvfp4", None, "nhd"), ("model1_nvfp4", None, "flat"),
 ])
 def test_make_cache_poisons_every_byte_that_is_not_data(kv_format, row_stride, layout):
     fmt = get_format(kv_format)
@@ -484,14 +604,16 @@ def test_make_cache_poisons_every_byte_that_is_not_data(kv_format, row_stride, l
     cache = make_cache(nb, page, device="cpu", kv_format=kv_format, row_stride=row_stride, block_stride=block_stride,
                        layout=layout, poison_blocks=(0, 4), gen=torch.Generator().manual_seed(5))
     raw = storage_bytes(cache)
+    row_bytes, record = {"model1_fp8": (576, 8), "model1_nvfp4": (NVFP4_ROW, NVFP4_RECORD)}.get(kv_format, (None, 0))
     data = set()
     for b in (1, 2, 3, 5):
         base = b * block_stride
         for t in range(page):
-            row = base + t * (pitch if fmt.inline else 576)
+            row = base + t * (pitch if fmt.inline else row_bytes)
             data.update(range(row, row + fmt.row_bytes))
             if not fmt.inline:
-                data.update(range(base + page * 576 + 8 * t, base + page * 576 + 8 * t + 8))
+                at = base + page * row_bytes + record * t
+                data.update(range(at, at + record))
     for b in range(nb):
         block = raw[b * block_stride:(b + 1) * block_stride]
         if b in (0, 4):
@@ -499,8 +621,11 @@ def test_make_cache_poisons_every_byte_that_is_not_data(kv_format, row_stride, l
             continue
         filler = [i for i in range(b * block_stride, (b + 1) * block_stride) if i not in data]
         assert filler and all(raw[i] == 0xFF for i in filler)
-        if not fmt.inline:  # MODEL1's pad byte: 0, as before
+        if kv_format == "model1_fp8":  # MODEL1's pad byte: 0, as before
             assert all(raw[b * block_stride + page * 576 + 8 * t + 7] == 0 for t in range(page))
+        if fmt.e2m1:  # NVFP4's 4 pad bytes: 0 (its specification)
+            at = b * block_stride + page * NVFP4_ROW
+            assert all(raw[at + NVFP4_RECORD * t + 28:at + NVFP4_RECORD * t + 32] == bytes(4) for t in range(page))
     back = unpack_cache(cache, kv_format).reshape(nb, page, -1)
     assert torch.isnan(back[[0, 4]]).all() and torch.isfinite(back[[1, 2, 3, 5]]).all()
 
@@ -518,7 +643,7 @@ def test_make_cache_refuses_what_its_views_cannot_hold():
 
 @pytest.mark.parametrize("kv_format,writer", [("v32_fp8", "vllm"), ("v32_fp8", "sglang"), ("glm_nope_fp8", "vllm"),
                                               ("glm_nope_fp8", "b12x"), ("v32_fp8", "flashmla"),
-                                              ("model1_fp8", None)])
+                                              ("model1_fp8", None), ("model1_nvfp4", "flashinfer")])
 def test_make_cache_scale_spread(kv_format, writer):
     """``scale_spread``: per-group scales over many binades; not powers of two for the
     arbitrary-FP32 writers."""
@@ -532,8 +657,12 @@ def test_make_cache_scale_spread(kv_format, writer):
     within_token = binades.amax(-1) - binades.amin(-1)
     assert within_token.max() >= 8  # the groups of one token differ
     pow2 = torch.frexp(scales).mantissa == 0.5
-    if writer in ("vllm", "sglang", "b12x"):  # amax / 448 is a power of two only for amax = 1.75 * 2**k (bf16 holds it)
-        assert pow2.float().mean() < 0.05
+    if fmt.e2m1:  # e4m3 scales: 4 significant bits, so powers of two ~1/8 of them; never NaN
+        assert pow2.float().mean() < 0.3 and not torch.isnan(scales).any()
+        nonzero = binades[scales > 0]  # (a group 2**-8 times the data may round to scale 0)
+        assert nonzero.max() - nonzero.min() >= 14 and (scales > 0).float().mean() > 0.99
+    elif writer in ("vllm", "sglang", "b12x"):
+        assert pow2.float().mean() < 0.05  # amax / 448 is a power of two only for amax = 1.75 * 2**k (bf16 holds it)
     else:
         assert pow2.all()
     plain = make_cache(8, 64, device="cpu", kv_format=kv_format, writer=writer,
@@ -548,7 +677,12 @@ def test_make_cache_tiny(kv_format):
     cache = make_cache(4, 32, device="cpu", kv_format=kv_format, tiny=True, gen=torch.Generator().manual_seed(9))
     view = read_cache_view(cache, kv_format)
     codes, scales, rope = gather_slot_parts(view, torch.arange(view.num_slots))
-    assert (rope == 0).all() and codes.abs().amax() > 100
+    assert (rope == 0).all() and (codes.abs().amax() == 6 if fmt.e2m1 else codes.abs().amax() > 100)
+    if fmt.scale_type == "e4m3":  # the e4m3 subnormals m * 2**-9 and the smallest normal 2**-6
+        assert set((scales * 2**9).flatten().tolist()) == set(range(1, 9))
+        back = unpack_cache(cache, kv_format)
+        assert torch.isfinite(back).all() and 0 < back[..., :fmt.nope_dims].abs().max() <= 6 * 2.0**-6
+        return
     if fmt.scale_type == "ue8m0":
         assert set(torch.log2(scales).flatten().tolist()) == {-127.0, -126.0, -125.0}
     else:
@@ -645,3 +779,245 @@ def test_gather_slots_matches_unpack():
 def test_bad_model1_views_are_refused(make, message):
     with pytest.raises(CacheLayoutError, match=message.replace("[", r"\[").replace("*", r"\*")):
         read_cache_view(make())
+
+
+# ---------------------------------------------------------------------- MODEL1 NVFP4 (e2m1 values, E4M3 scales)
+def _nvfp4_block(nope_bytes: list, scale_bytes: list, rope: list | None = None, pad: bytes = bytes(4)) -> torch.Tensor:
+    """A one-block, one-token MODEL1 NVFP4 cache ``[1, 1, 1, 384]`` from its bytes (224 nope
+    bytes, 28 scale bytes, 64 rope values; the record's 4 pad bytes)."""
+    rope = rope or [0.0] * 64
+    raw = bytes(nope_bytes) + b"".join(bf16_bytes(v) for v in rope) + bytes(scale_bytes) + pad
+    assert len(raw) == NVFP4_TOKEN_BYTES
+    return torch.tensor(list(raw), dtype=torch.uint8).view(1, 1, 1, NVFP4_TOKEN_BYTES)
+
+
+def test_nvfp4_nibble_order_is_low_nibble_first():
+    """Element 2i sits in the low nibble of byte i, element 2i + 1 in the high one: in the
+    packer's bytes and in the reader's values."""
+    latent = torch.zeros(1, 1, 512)
+    latent[0, 0, 0], latent[0, 0, 1] = 6.0, 0.5  # s = 1: codes 7 and 1
+    latent[0, 0, 2], latent[0, 0, 3] = -1.0, 3.0  # codes 0xA and 5
+    raw = storage_bytes(pack_latent(latent, "model1_nvfp4"))
+    assert raw[0] == 0x17 and raw[1] == 0x5A and raw[2:NVFP4_NOPE_BYTES] == bytes(NVFP4_NOPE_BYTES - 2)
+    assert raw[NVFP4_ROW] == 0x38  # e4m3 1.0
+    nope = [0] * NVFP4_NOPE_BYTES
+    nope[0], nope[1] = 0x17, 0xA5
+    back = unpack_cache(_nvfp4_block(nope, [0x38] * 28)).flatten()
+    assert back[:4].tolist() == [6.0, 0.5, 3.0, -1.0] and (back[4:] == 0).all()
+
+
+def test_every_e2m1_code_decodes_to_its_value():
+    """The 16 nibbles read as +-{0, 0.5, 1, 1.5, 2, 3, 4, 6} (code 8 is -0), through the
+    decoder and through the cache reader (nibble pairs 0..15 in 8 bytes, scale 1)."""
+    want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    assert [e2m1_value(c) for c in range(16)] == want
+    got = e2m1_decode(torch.arange(16, dtype=torch.uint8))
+    assert got.tolist() == want and torch.equal(torch.signbit(got), torch.arange(16) >= 8)
+    nope = [(2 * i) | (2 * i + 1) << 4 for i in range(8)] + [0] * (NVFP4_NOPE_BYTES - 8)
+    back = unpack_cache(_nvfp4_block(nope, [0x38] * 28)).flatten()
+    assert back[:16].tolist() == want and torch.equal(torch.signbit(back[:16]), torch.arange(16) >= 8)
+    assert torch.equal(e2m1_encode(got), torch.arange(16, dtype=torch.uint8))  # each value encodes to its code
+
+
+def test_e2m1_encoder_rounds_ties_to_even_and_saturates():
+    """Ties go to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+    5 -> 4), a float32 step off a tie to the nearer value; past 6 (infinity included) is 6;
+    the sign of a zero is kept; and every float32 of a seeded sample over 40 binades encodes as
+    the pure-Python specification's round-to-nearest-even does."""
+    ties = {0.25: (0, 1), 0.75: (1, 2), 1.25: (2, 3), 1.75: (3, 4), 2.5: (4, 5), 3.5: (5, 6), 5.0: (6, 7)}
+    xs, want = [], []
+    for t, (lo, hi) in ties.items():  # the tie to the even code of the two; a step off it to the nearer
+        even = lo if lo % 2 == 0 else hi
+        xs += [t, -t, f32_step(t, -1), f32_step(t, 1), -f32_step(t, 1)]
+        want += [even, even | 8, lo, hi, hi | 8]
+    xs += [6.0, f32_step(6.0, 1), 7.0, 1e30, math.inf, -math.inf, -7.0, 0.0, -0.0, -1e-30, 1e-30, -0.25]
+    want += [7, 7, 7, 7, 7, 15, 15, 0, 8, 8, 0, 8]
+    got = e2m1_encode(torch.tensor(xs, dtype=torch.float32)).tolist()
+    assert got == want, [(x, g, w) for x, g, w in zip(xs, got, want) if g != w]
+    assert [e2m1_code(x) for x in xs] == want  # the specification agrees with the table above
+    gen = torch.Generator().manual_seed(seed_for("e2m1 encoder"))
+    sample = torch.randn(4000, generator=gen) * torch.exp2(torch.randint(-20, 21, (4000,), generator=gen).float())
+    sample = torch.cat([sample, torch.tensor([t * k for t in ties for k in (1, -1, 2, 0.5)])])
+    got = e2m1_encode(sample).tolist()
+    assert got == [e2m1_code(x) for x in sample.tolist()]
+
+
+def test_nvfp4_scale_edge_values():
+    """E4M3 scale bytes 0 (the group reads 0 whatever its codes), 0x01 (2**-9, the smallest
+    subnormal), 0x7E (448, the largest), 0x38 (1), 0x08 (2**-6, the smallest normal); and the
+    writer reaching them: amax / 6 at the e4m3 tie 2**-10 rounds to 0 (every code 0), a
+    float32 above it to 2**-9, amax 6 * 448 and past it to 448 (codes saturated at 6)."""
+    fmt = get_format("model1_nvfp4")
+    records = [0x00, 0x01, 0x7E, 0x38, 0x08] + [0x38] * 23
+    assert decode_scales(fmt, torch.tensor([records], dtype=torch.uint8))[0, :5].tolist() == \
+        [0.0, 2.0**-9, 448.0, 1.0, 2.0**-6]
+    groups = unpack_cache(_nvfp4_block([0x77] * NVFP4_NOPE_BYTES, records)).flatten()[:448].view(28, 16)  # codes 6
+    assert (groups[0] == 0).all() and (groups[1] == 6 * 2.0**-9).all() and (groups[2] == 2688.0).all()
+    assert (groups[3] == 6.0).all() and (groups[4] == 6 * 2.0**-6).all()
+
+    latent = torch.zeros(1, 1, 512)
+    latent[0, 0, 0:2] = torch.tensor([6 * 2.0**-10, -2.0**-12])  # amax / 6 = 2**-10: the tie, to 0
+    latent[0, 0, 16] = f32_step(6 * 2.0**-10, 1)  # a float32 above: 2**-9, and x * 512 = 3.0000002 -> 3
+    latent[0, 0, 32:34] = torch.tensor([2688.0, -2.0])  # amax / 6 = 448; -2 / 448 -> -0
+    latent[0, 0, 48:50] = torch.tensor([-1e6, 2000.0])  # amax / 6 saturates at 448; -1e6 / 448 at -6
+    raw = storage_bytes(pack_latent(latent, "model1_nvfp4", fill=FILL))
+    assert list(raw[NVFP4_ROW:NVFP4_ROW + 5]) == [0x00, 0x01, 0x7E, 0x7E, 0x00]
+    assert raw[0:8] == bytes(8)  # s = 0: every code +0, the negative value's too
+    assert raw[8] == 0x05 and raw[16] == 0x87 and raw[24] == 0x6F  # (3, 0), (6, -0), (-6, 4)
+    codes, scales, _ = quantize_latent(latent[0, 0], "model1_nvfp4")
+    assert scales[:4].tolist() == [0.0, 2.0**-9, 448.0, 448.0] and codes.dtype == torch.float32
+    assert codes[[16, 32, 48, 49]].tolist() == [3.0, 6.0, -6.0, 4.0] and torch.signbit(codes[33])
+    back = unpack_cache(pack_latent(latent, "model1_nvfp4")).flatten()
+    assert (back[:16] == 0).all() and back[16] == 3 * 2.0**-9 and back[48] == -2688.0
+
+
+def test_nvfp4_all_zero_group_is_scale_zero_and_codes_zero():
+    """An all-zero group (and one of -0s and one whose amax / 6 rounds to scale 0): scale byte
+    0 and every nibble +0 (the writer's "all codes 0 when s == 0"); it reads back as 0."""
+    latent = torch.randn(1, 2, 512, generator=torch.Generator().manual_seed(seed_for("nvfp4 zero group")))
+    latent[0, 0, 16:32] = 0.0
+    latent[0, 0, 32:48] = -0.0
+    latent[0, 1, 0:16] = -2.0**-13  # amax / 6 below 2**-10: scale 0
+    raw = storage_bytes(pack_latent(latent, "model1_nvfp4", fill=FILL))
+    footer = 2 * NVFP4_ROW
+    assert raw[footer + 1] == 0 and raw[footer + 2] == 0 and raw[footer + NVFP4_RECORD] == 0
+    assert raw[8:24] == bytes(16) and raw[NVFP4_ROW:NVFP4_ROW + 8] == bytes(8)
+    assert raw[footer] != 0 and raw[footer + 3] != 0  # the neighbouring groups: nonzero scales
+    back = unpack_cache(pack_latent(latent, "model1_nvfp4")).reshape(2, 512)
+    assert (back[0, 16:48] == 0).all() and (back[1, :16] == 0).all() and not torch.signbit(back[0, 16:48]).any()
+
+
+def test_nvfp4_footer_pad_bytes_are_zero():
+    """Bytes 28..31 of every footer record are 0: whatever the packer's ``fill`` (which the
+    block padding does take), and in ``make_cache``'s caches (whose non-data bytes are 0xFF)."""
+    gen = torch.Generator().manual_seed(seed_for("nvfp4 pad"))
+    page, block_stride = 5, 5 * NVFP4_TOKEN_BYTES + 32
+    latent = torch.randn(3, page, 512, generator=gen) * 1e3
+    raw = storage_bytes(pack_latent(latent, "model1_nvfp4", block_stride=block_stride, fill=0xFF))
+    for b in range(3):
+        for t in range(page):
+            at = b * block_stride + page * NVFP4_ROW + t * NVFP4_RECORD
+            assert raw[at + 28:at + 32] == bytes(4) and 0 not in raw[at:at + 28]
+        assert raw[(b + 1) * block_stride - 32:(b + 1) * block_stride] == b"\xff" * 32  # padding: fill
+    cache = make_cache(3, page, device="cpu", kv_format="model1_nvfp4", gen=gen)
+    raw = storage_bytes(cache)
+    stride = default_block_stride(get_format("model1_nvfp4"), page)
+    assert stride == page * NVFP4_TOKEN_BYTES  # FlashInfer's tight blocks
+    assert all(raw[b * stride + page * NVFP4_ROW + t * NVFP4_RECORD + 28:][:4] == bytes(4)
+               for b in range(3) for t in range(page))
+
+
+def _dequantize_nvfp4_bytes(raw: bytes, num_blocks: int, page: int, block_stride: int) -> torch.Tensor:
+    """float64 ``[num_blocks, P, 512]`` from a MODEL1 NVFP4 buffer's bytes, by the
+    specification alone: e2m1 nibble (low first) times its group's E4M3 byte, the rope bf16."""
+    out = torch.empty(num_blocks, page, 512, dtype=torch.float64)
+    for b in range(num_blocks):
+        for t in range(page):
+            row = b * block_stride + t * NVFP4_ROW
+            record = b * block_stride + page * NVFP4_ROW + t * NVFP4_RECORD
+            vals = []
+            for i in range(448):
+                byte = raw[row + i // 2]
+                vals.append(e2m1_value(byte >> 4 if i % 2 else byte & 0xF) * e4m3_value(raw[record + i // 16]))
+            for r in range(64):
+                at = row + NVFP4_NOPE_BYTES + 2 * r
+                vals.append(struct.unpack("<f", b"\0\0" + raw[at:at + 2])[0])
+            out[b, t] = torch.tensor(vals, dtype=torch.float64)
+    return out
+
+
+def test_nvfp4_round_trip_equals_the_dequantized_bytes():
+    """unpack(pack(latent)) equals, exactly, the float64 dequantization of the packed bytes
+    (code x scale is exact in float32); ``gather_slots`` and ``gather_slot_parts`` agree with
+    it; the float64 reference decode reads the same values."""
+    gen = torch.Generator().manual_seed(seed_for("nvfp4 round trip bytes"))
+    latent = (torch.randn(2, 6, 512, generator=gen)
+              * torch.exp2(torch.randint(-12, 9, (2, 6, 1), generator=gen).float())).bfloat16()
+    cache = pack_latent(latent, "model1_nvfp4")
+    want = _dequantize_nvfp4_bytes(storage_bytes(cache), 2, 6, 6 * NVFP4_TOKEN_BYTES)
+    back = unpack_cache(cache)
+    assert back.dtype == torch.float32 and torch.equal(back.double(), want)
+    assert torch.equal(back[..., 448:], latent[..., 448:].float())
+    view = read_cache_view(cache)
+    slots = torch.tensor([[11, 0, 7], [3, 3, 6]])
+    assert torch.equal(gather_slots(view, slots), back.reshape(12, 512)[slots])
+    nope, factor, rope = gather_slot_parts(view, slots)
+    assert nope.shape == (2, 3, 28, 16) and factor.shape == (2, 3, 28) and rope.shape == (2, 3, 64)
+    assert set(nope.abs().unique().tolist()) <= {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
+    assert torch.equal((nope * factor[..., None]).flatten(-2).double(), want.reshape(12, 512)[slots, :448])
+    from cute_kernels.sparse_mla_decode.reference import reference_decode
+    q = torch.randn(2, 4, 512, generator=gen, dtype=torch.float64)
+    out, lse = reference_decode(q, cache, slots.int(), sm_scale=0.1)
+    rows = want.reshape(12, 512)[slots]  # [T, k, 512]
+    scores = torch.einsum("thd,tkd->thk", q, rows) * 0.1
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(out, torch.einsum("thk,tkd->thd", torch.softmax(scores, -1), rows), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "flat"])
+def test_nvfp4_unpack_of_a_padded_block_stride(layout):
+    """A block stride past the block's P * 384 bytes (padding 0xFF in ``make_cache``; what
+    FlashMLA-style allocations leave) reads as the tight blocks; the view's geometry is the
+    cache's."""
+    seed = seed_for("nvfp4 padded stride")
+    tight = make_cache(4, 8, device="cpu", kv_format="model1_nvfp4", gen=torch.Generator().manual_seed(seed))
+    stride = 8 * NVFP4_TOKEN_BYTES + 208
+    padded = make_cache(4, 8, device="cpu", kv_format="model1_nvfp4", block_stride=stride, layout=layout,
+                        gen=torch.Generator().manual_seed(seed))
+    view = read_cache_view(padded, "model1_nvfp4")
+    assert (view.block_stride, view.row_stride, view.page_block_size) == (stride, NVFP4_TOKEN_BYTES, 8)
+    assert (torch.as_strided(padded, (4, 208), (stride, 1), 8 * NVFP4_TOKEN_BYTES).view(torch.uint8) == 0xFF).all()
+    back = unpack_cache(padded, "model1_nvfp4")
+    assert torch.isfinite(back).all() and torch.equal(back, unpack_cache(tight))
+    want = _dequantize_nvfp4_bytes(storage_bytes(padded), 4, 8, stride)
+    assert torch.equal(back.double(), want)
+
+
+def test_width_384_names_model1_nvfp4():
+    """A 4-D view 384 bytes wide is MODEL1 NVFP4 without ``kv_format`` (NHD and HND); a 2-D
+    view of whole 384-byte tokens is read only where ``kv_format`` names it, and a 2-D MODEL1
+    view whose blocks are also whole 384-byte tokens (P a multiple of 48) still reads as MODEL1."""
+    assert format_of(torch.zeros(2, 4, 1, 384, dtype=torch.uint8), None).name == "model1_nvfp4"
+    assert format_of(torch.zeros(2, 1, 4, 384, dtype=torch.uint8), None).name == "model1_nvfp4"
+    cache = make_cache(3, 4, device="cpu", kv_format="model1_nvfp4", layout="hnd",
+                       gen=torch.Generator().manual_seed(seed_for("width 384")))
+    assert read_cache_view(cache).fmt.name == "model1_nvfp4"
+    assert torch.equal(unpack_cache(cache), unpack_cache(cache, "model1_nvfp4"))
+    flat = torch.as_strided(cache, (3, 4 * 384), (4 * 384, 1))
+    with pytest.raises(CacheLayoutError, match=r"1536 bytes per block is read as \['model1_nvfp4'\] only where "
+                                               r"kv_format= names it"):
+        read_cache_view(flat)
+    assert torch.equal(unpack_cache(flat, "model1_nvfp4"), unpack_cache(cache))
+    assert format_of(torch.zeros(2, 48 * 584, dtype=torch.uint8), None).name == "model1_fp8"
+    with pytest.raises(CacheLayoutError, match="expected \\[num_blocks, P, 1, 384\\]"):
+        read_cache_view(torch.zeros(2, 4, 1, 584, dtype=torch.uint8), "model1_nvfp4")
+    with pytest.raises(CacheLayoutError, match="token stride 384"):
+        read_cache_view(torch.as_strided(torch.zeros(4 * 400 * 2, dtype=torch.uint8), (2, 4, 1, 384),
+                                         (1600, 400, 400, 1)), "model1_nvfp4")
+
+
+def test_nvfp4_packer_reproduces_the_writer_recipe_by_hand():
+    """One token's bytes worked out by hand from FlashInfer's recipe. Group 0: amax 12, s = e4m3(2)
+    = 0x40, 1 / s exact: x / 2 = 6, -6, 0.25 (tie: 0), 0.3125 (0.5), 0.75 (tie: 1), 1.25 (tie: 1),
+    1.75 (tie: 2), 2.5 (tie: 2), 3.5 (tie: 4), 5 (tie: 4), 5.5 (6), -0 (-0), -0.2 (-0), -1.5,
+    0, 3. Group 1: amax 6 * 0x0F's value, s = 0.029296875 = 0x0F, whose float32 reciprocal
+    34.133335 is above 1 / s: x = 1.25 s, 2.5 s, 5 s (ties that x / s rounds down) come out one
+    code up (1.5, 3, 6). Groups 2..27: 0 (scale 0, codes 0). Rope copied bit for bit."""
+    xs0 = [12.0, -12.0, 0.5, 0.625, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0, 11.0, -0.0, -0.4, -3.0, 0.0, 6.0]
+    s1 = 0.029296875
+    xs1 = [6 * s1, 1.25 * s1, 2.5 * s1, 5.0 * s1, -1.25 * s1] + [0.0] * 11
+    rope = [1.5, -2.0, 0.0078125, -0.0, 2.0**100, -(2.0**-130)] + [0.25 * k - 3 for k in range(58)]
+    latent = torch.tensor([[xs0 + xs1 + [0.0] * 416 + rope]], dtype=torch.float32)
+    raw = storage_bytes(pack_latent(latent, "model1_nvfp4", fill=FILL))
+    assert len(raw) >= NVFP4_TOKEN_BYTES
+    # group 0 nibbles 7, F, 0, 1, 2, 2, 4, 4, 6, 6, 7, 8, 8, B, 0, 5 -> bytes (high << 4 | low)
+    assert list(raw[0:8]) == [0xF7, 0x10, 0x22, 0x44, 0x66, 0x87, 0xB8, 0x50]
+    # group 1 nibbles 7, 3, 5, 7, B, 0...
+    assert list(raw[8:16]) == [0x37, 0x75, 0x0B, 0, 0, 0, 0, 0]
+    assert raw[16:NVFP4_NOPE_BYTES] == bytes(NVFP4_NOPE_BYTES - 16)
+    assert raw[NVFP4_NOPE_BYTES:NVFP4_ROW] == b"".join(bf16_bytes(v) for v in rope)
+    assert list(raw[NVFP4_ROW:NVFP4_ROW + NVFP4_RECORD]) == [0x40, 0x0F] + [0] * 30
+    # the specification's helpers agree (the byte test's source of truth)
+    assert expected_group("model1_nvfp4", "flashinfer", xs0) == (b"\x40", [7, 15, 0, 1, 2, 2, 4, 4, 6, 6, 7, 8, 8,
+                                                                           11, 0, 5])
+    assert expected_group("model1_nvfp4", "flashinfer", [f32(v) for v in xs1])[1][:5] == [7, 3, 5, 7, 11]

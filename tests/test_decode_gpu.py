@@ -1,4 +1,5 @@
-"""The decode kernels against the float64 reference, on a CUDA GPU (skipped without one).
+"""The decode kernels on DeepSeek-V4's caches (MODEL1 FP8, and NVFP4: ``NVFP4_CASES``) against
+the float64 reference, on a CUDA GPU (skipped without one).
 
 Every case draws its random inputs from its own fixed seed (printed on failure), poisons the
 outputs (NaN) before the launch, leaves NaN bytes in cache blocks nobody selected and in the
@@ -51,8 +52,9 @@ class Case:
     q_head_pad: int = 0  # extra elements between heads of q (a strided view)
     sm_scale: float | None = None
     spread: int = 0  # tokens' magnitudes differ by up to 2**(2 * spread) (their scale bytes by 2 * spread)
-    tiny: bool = False  # scale bytes 0..2 and rope 0 in every cache (``make_cache``), q times 2**118
+    tiny: bool = False  # the bottom scales and rope 0 in every cache (``make_cache``), q scaled up to match
     invalid_prefix: int = 0  # the first this many entries of every token are -1
+    kv_format: str = "model1_fp8"  # both caches' format
 
     def __str__(self):
         fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
@@ -105,6 +107,22 @@ CASES = [
 ]
 
 
+def _nvfp4(case: Case) -> Case:
+    """``case`` on NVFP4 caches (a MODEL1 block stride given becomes the same padding past an
+    NVFP4 block)."""
+    pad = None if case.block_stride is None else case.block_stride - case.page * 584
+    return dataclasses.replace(case, kv_format="model1_nvfp4",
+                               block_stride=None if pad is None else case.page * 384 + pad)
+
+
+# every MODEL1 case again on NVFP4 caches (e2m1 values with E4M3 scales per 16 dims, "f16"
+# only), and the shapes the NVFP4 format adds: 1152 entries (V4.1's width) with the extra list
+NVFP4_CASES = [_nvfp4(c) for c in CASES] + [
+    Case(T=3, H=64, topk=1152, extra_topk=512, extra_page=32, extra_blocks=80, sink="mixed", invalid=0.1,
+         lengths="random", extra_lengths="edge", kv_format="model1_nvfp4"),
+]
+
+
 def _on(t, device):
     return None if t is None else t.to(device)
 
@@ -114,7 +132,7 @@ def build_inputs(case: Case, device, seed: int):
     usable = [b for b in range(case.num_blocks) if b not in POISON_BLOCKS]
     cache = make_cache(case.num_blocks, case.page, device=device, poison_blocks=POISON_BLOCKS,
                        layout=case.layout, block_stride=case.block_stride, gen=gen, spread=case.spread,
-                       tiny=case.tiny)
+                       tiny=case.tiny, kv_format=case.kv_format)
     idx = make_indices(case.T, case.topk, case.num_blocks * case.page, device=device, usable_blocks=usable,
                        page=case.page, invalid_frac=case.invalid, gen=gen)
     if case.duplicates:
@@ -126,12 +144,13 @@ def build_inputs(case: Case, device, seed: int):
         topk_length=_on(lengths_of(case.lengths, case.T, case.topk, gen), device),
         attn_sink=_on(sink_of(case.sink, case.H, gen), device),
         sm_scale=case.sm_scale,
+        kv_format=case.kv_format,
     )
     if case.extra_topk is not None:
         e_usable = [b for b in range(case.extra_blocks) if b not in POISON_BLOCKS]
         kw["extra_kv_cache"] = make_cache(case.extra_blocks, case.extra_page, device=device,
                                           poison_blocks=POISON_BLOCKS, layout=case.extra_layout, gen=gen,
-                                          spread=case.spread, tiny=case.tiny)
+                                          spread=case.spread, tiny=case.tiny, kv_format=case.kv_format)
         e_idx = make_indices(case.T, case.extra_topk, case.extra_blocks * case.extra_page, device=device,
                              usable_blocks=e_usable, page=case.extra_page, invalid_frac=case.invalid, gen=gen)
         if case.empty_tokens:
@@ -139,8 +158,8 @@ def build_inputs(case: Case, device, seed: int):
         kw["extra_indices"] = e_idx
         kw["extra_topk_length"] = _on(lengths_of(case.extra_lengths, case.T, case.extra_topk, gen), device)
     q = torch.randn(case.T, case.H, 512 + case.q_head_pad, generator=gen).to(torch.bfloat16).to(device)
-    if case.tiny:
-        q = q * 2.0**118  # keys ~2**-118: scores O(1)
+    if case.tiny:  # scores O(1) on keys of the bottom scales: MODEL1 ~2**-127, NVFP4 ~2**-8 (``make_cache``)
+        q = q * (2.0**118 if case.kv_format == "model1_fp8" else 2.0**6)
     q = q[..., :512]
     return q, cache, idx, kw
 
@@ -173,11 +192,12 @@ def run_twice(case: Case, q, idx, call, seed: int) -> list:
     return outs
 
 
-PRECISIONS = ["bf16", "f16", "fp8", pytest.param("mxf8", marks=pytest.mark.block_scaled)]
+PRECISIONS = ["bf16", "f16", "fp8", "mxf8"]
+DECODE_CASES = [pytest.param(c, p, id=f"{p}-{c}", marks=[pytest.mark.block_scaled] if p == "mxf8" else [])
+                for c in CASES for p in PRECISIONS] + [pytest.param(c, "f16", id=f"f16-{c}") for c in NVFP4_CASES]
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case,precision", DECODE_CASES)
 def test_decode_matches_reference(case: Case, precision: str):
     device = torch.device("cuda")
     seed = seed_for(f"{precision} {case}")
@@ -197,9 +217,10 @@ def test_decode_matches_reference(case: Case, precision: str):
 
 # "f16" with two head groups (32-head CTAs): what the dispatch picks on sm_120 for many heads
 # (``head_groups_for``), forced here on whatever GPU runs the suite
-TWO_GROUP_CASES = [c for c in CASES if c.H > 16] + [
+TWO_GROUP_CASES = [c for c in CASES + NVFP4_CASES if c.H > 16] + [
     Case(T=4, H=48, topk=512, extra_topk=128, sink="mixed", invalid=0.1, lengths="edge", extra_lengths="random"),
     Case(T=3, H=20, topk=96, empty_tokens=True, sink="-inf", spread=8),
+    Case(T=3, H=20, topk=96, empty_tokens=True, sink="-inf", spread=8, kv_format="model1_nvfp4"),
 ]
 
 
@@ -210,12 +231,13 @@ def _forced_f16_plan_matches_reference(case: Case, what: str, overrides: PlanOve
     seed = seed_for(f"f16 {what} {case}")
     q, cache, idx, kw = build_inputs(case, device, seed)
     plans = []
-    tensors = {k: v for k, v in kw.items() if k != "sm_scale"}  # the plan fixes the tensors' layouts only
+    # the plan fixes the tensors' layouts (and the format) only
+    tensors = {k: v for k, v in kw.items() if k not in ("sm_scale", "kv_format")}
 
     def call(q, idx, out, lse):
         if not plans:
             plans.append(plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision="f16", overrides=overrides,
-                                                **tensors))
+                                                kv_format=kw["kv_format"], **tensors))
         plan = plans[0]
         plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
 
@@ -238,7 +260,8 @@ def test_f16_two_head_groups_match_reference(case: Case):
 # indices late, as without the bound: ``tuning.f16_late_indices``)
 @pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
 def test_f16_two_head_groups_with_register_bound_match_reference(case: Case):
-    if not two_bounded_f16_ctas_fit(torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor):
+    if not two_bounded_f16_ctas_fit(torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor,
+                                    case.kv_format):
         pytest.skip("this GPU's SMs hold one such CTA: no bounded variant is built for it")
     plan = _forced_f16_plan_matches_reference(case, "groups=2 bounded",
                                               PlanOverrides(head_groups=2, two_ctas_per_sm=True))
@@ -251,8 +274,10 @@ def test_f16_two_head_groups_with_register_bound_match_reference(case: Case):
 # rope warp issues the indices one chunk further ahead (``tuning.f16_late_indices``), which
 # only splits of more than stages + 1 = 4 chunks reach (7 of these cases have 6-16 per split
 # on the H200; T=16 x 128 and the last one cross from the main list into the extra one there)
-FREE_KERNEL_CASES = [c for c in CASES if c.T >= 8 and c.H >= 32] + [
+FREE_KERNEL_CASES = [c for c in CASES + NVFP4_CASES if c.T >= 8 and c.H >= 32] + [
     Case(T=100, H=16, topk=100, extra_topk=300, extra_page=32, extra_blocks=80, lengths="random", spread=8),
+    Case(T=100, H=16, topk=100, extra_topk=300, extra_page=32, extra_blocks=80, lengths="random", spread=8,
+         kv_format="model1_nvfp4"),
 ]
 
 
@@ -270,10 +295,12 @@ SPLIT_CASE = Case(T=3, H=24, topk=2048, extra_topk=2048, extra_page=32, extra_bl
                   extra_lengths="random", sink="mixed", invalid=0.1)
 
 
+@pytest.mark.parametrize("kv_format", ["model1_fp8", "model1_nvfp4"])
 @pytest.mark.parametrize("num_splits,stages", [(1, None), (2, None), (8, 2), (9, None), (32, 3), (43, None),
                                                (128, None)])
-def test_forced_splits_and_stages_match_reference(num_splits, stages):
-    plan = _forced_f16_plan_matches_reference(SPLIT_CASE, f"splits={num_splits} stages={stages}",
+def test_forced_splits_and_stages_match_reference(num_splits, stages, kv_format):
+    plan = _forced_f16_plan_matches_reference(dataclasses.replace(SPLIT_CASE, kv_format=kv_format),
+                                              f"splits={num_splits} stages={stages}",
                                               PlanOverrides(num_splits=num_splits, num_stages=stages))
     assert plan.split.num_splits == num_splits and len(plan.variants) == (1 if num_splits == 1 else 2)
     if stages is not None:

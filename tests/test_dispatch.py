@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
-from cute_kernels.sparse_mla_decode.cache_format import read_cache_view
+from cute_kernels.sparse_mla_decode.cache_format import e2m1_decode, read_cache_view
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E, PARTIAL_ARGS
-from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8
+from cute_kernels.sparse_mla_decode.kv_format import (
+    EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, MODEL1_NVFP4, V32_FP8, get_format,
+)
 from dispatch import InvalidDecodeInput, kv_formats, sparse_mla_decode
 from dispatch.adapters import (
     flash_mla_with_kvcache, flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4,
@@ -230,12 +232,15 @@ GLM_CACHE = make_cache(4, 64, device="cpu", kv_format=GLM_NOPE_FP8.name, gen=_GE
 GLM_POOL_CACHE = make_cache(4, 64, device="cpu", kv_format=GLM_NOPE_FP8.name, row_stride=656, gen=_GEN)  # 656 wide
 Q576 = torch.randn(2, 16, 576).to(torch.bfloat16)
 V32 = dict(q=Q576, kv_cache=V32_CACHE)
+NVFP4_CACHE = make_cache(4, 64, device="cpu", kv_format="model1_nvfp4", gen=_GEN)  # [4, 64, 1, 384]
+NVFP4 = dict(kv_cache=NVFP4_CACHE)
 # the refusals whose message starts with another model type than MODEL1's
 PREFIX = {
     "q width 512 on V3.2": V32_FP8.model_type, "q width 576 on GLM-5.3": GLM_NOPE_FP8.model_type,
     "out width on V3.2": V32_FP8.model_type, "cache not of the named format": V32_FP8.model_type,
     "cache width": GENERIC_MODEL_TYPE, "cache width 528 without kv_format": GENERIC_MODEL_TYPE,
     "kv_format unknown": GENERIC_MODEL_TYPE, "extra cache with V3.2": V32_FP8.model_type,
+    "FP8 extra cache with an NVFP4 main": MODEL1_NVFP4.model_type, "precision bf16 on NVFP4": MODEL1_NVFP4.model_type,
     "precision mxf8 on V3.2": V32_FP8.model_type, "valid V3.2 call on cpu": V32_FP8.model_type,
     "valid GLM-5.3 call on cpu": GLM_NOPE_FP8.model_type,
 }
@@ -269,7 +274,7 @@ BAD = [
      "a cache whose rows are 528 bytes wide is ambiguous: pass kv_format= (one of ['glm_nope_fp8'])"),
     ("cache not of the named format", {}, dict(kv_format="v32_fp8"), "expected [num_blocks, P, 1, 656]"),
     ("kv_format unknown", {}, dict(kv_format="fp4"),
-     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'v32_fp8'], got 'fp4'"),
+     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', 'v32_fp8'], got 'fp4'"),
     ("cache stride", dict(kv_cache=torch.as_strided(torch.zeros(4 * 37384, dtype=torch.uint8), (4, 64, 1, 584),
                                                     (37384, 584, 584, 1))), {}, "not a multiple of 16"),
     ("cache bytes strided", dict(kv_cache=torch.zeros(4, 64, 1, 1168, dtype=torch.uint8)[..., ::2]), {},
@@ -291,6 +296,14 @@ BAD = [
      "has v32_fp8 rows: a model1_fp8 main cache combines only with an extra cache of ['model1_fp8']"),
     ("extra cache with V3.2", V32, dict(extra_kv_cache=V32_CACHE, extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
      "an extra_kv_cache is not served with v32_fp8 caches"),
+    # DeepSeek-V4's two caches in one format: FP8 with FP8, NVFP4 with NVFP4
+    ("NVFP4 extra cache with an FP8 main", {}, dict(extra_kv_cache=NVFP4_CACHE,
+                                                    extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
+     "has model1_nvfp4 rows: a model1_fp8 main cache combines only with an extra cache of ['model1_fp8']"),
+    ("FP8 extra cache with an NVFP4 main", NVFP4, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
+                                                       extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
+     "has model1_fp8 rows: a model1_nvfp4 main cache combines only with an extra cache of ['model1_nvfp4']"),
+    ("precision bf16 on NVFP4", NVFP4, dict(precision="bf16"), "precision 'bf16' does not read model1_nvfp4 caches"),
     ("length int64", {}, dict(topk_length=torch.zeros(2, dtype=torch.int64)), "topk_length must be int32"),
     ("length shape", {}, dict(topk_length=torch.zeros(2, 2, dtype=torch.int32)), "topk_length has shape [2, 2]"),
     ("length rows strided", _BATCHED, dict(topk_length=_STRIDED_ROWS), "topk_length must be contiguous"),
@@ -359,7 +372,8 @@ def test_every_supported_arch_has_its_shared_memory_per_sm():
     assert set(SMEM_PER_SM_BY_ARCH) == set(SUPPORTED_ARCHS)
     for arch in SUPPORTED_ARCHS:  # the 128-register variants only where an SM holds two CTAs
         held = {v.config.kv_format for v in variant_space(arch) if v.kind == "partial" and v.config.two_ctas_per_sm}
-        assert held == ({MODEL1} if arch == "sm_90a" else set())  # only MODEL1's 256-thread "f16" kernel
+        # only the 256-thread "f16" kernels, MODEL1 FP8's and NVFP4's
+        assert held == ({MODEL1, MODEL1_NVFP4.name} if arch == "sm_90a" else set())
 
 
 def test_resident_ctas_per_sm():
@@ -404,6 +418,8 @@ def test_precision_defaults_and_availability():
         # formats: no extra list (2 groups x 6), no "mxf8" (FP32 scales), never held
         want = {(MODEL1, p): 24 + (24 if p == "f16" and arch == "sm_90a" else 0) for p in precisions_for(arch)}
         want.update({(f, p): 12 for f in (V32_FP8.name, GLM_NOPE_FP8.name) for p in ("bf16", "f16", "fp8")})
+        # NVFP4: "f16" only, the call shapes of MODEL1, held on the H200 as MODEL1's
+        want[MODEL1_NVFP4.name, "f16"] = 24 + (24 if arch == "sm_90a" else 0)
         assert counts == want
 
 
@@ -448,7 +464,7 @@ def test_variant_space_per_format():
             assert cfg.precision != "mxf8" or cfg.kv_format == MODEL1
             assert not cfg.has_extra_topk_length or cfg.kv_format in EXTRA_FORMATS
             assert not cfg.two_ctas_per_sm or (cfg.precision == "f16" and cfg.num_threads == 256)
-        inline_f16 = [v.config for v in partials if v.config.kv_format != MODEL1 and v.config.precision == "f16"]
+        inline_f16 = [v.config for v in partials if get_format(v.config.kv_format).inline and v.config.precision == "f16"]
         assert inline_f16 and all(cfg.num_threads == 288 and not cfg.two_ctas_per_sm for cfg in inline_f16)
 
 
@@ -594,19 +610,25 @@ def test_plan_binds_every_kernel_argument_and_the_row_strides(kv_format, cache):
 def _exact_latent(fmt, num_tokens, gen):
     """A latent every writer stores exactly: e4m3 values times a power of two per scale group,
     each group's largest magnitude 448 times its scale (so pow2 and amax / 448 scales are the
-    same), the rope dims bf16 values."""
-    codes = torch.randn(num_tokens, fmt.num_scales, fmt.scale_group, generator=gen).clamp(-440, 440)
-    codes = (codes * 64).to(torch.float8_e4m3fn).float()
-    codes[..., 0] = 448.0
+    same); for an e2m1 format e2m1 values, each group's largest 6 times its scale (amax / 6 is
+    the scale); the rope dims bf16 values."""
+    if fmt.e2m1:
+        codes = e2m1_decode(torch.randint(0, 16, (num_tokens, fmt.num_scales, fmt.scale_group), generator=gen))
+        codes[..., 0] = 6.0
+    else:
+        codes = torch.randn(num_tokens, fmt.num_scales, fmt.scale_group, generator=gen).clamp(-440, 440)
+        codes = (codes * 64).to(torch.float8_e4m3fn).float()
+        codes[..., 0] = 448.0
     scale = torch.exp2(torch.randint(-8, 4, (num_tokens, fmt.num_scales, 1), generator=gen).float())
     rope = torch.randn(num_tokens, fmt.rope_dims, generator=gen).to(torch.bfloat16).float()
     return torch.cat([(codes * scale).reshape(num_tokens, fmt.nope_dims), rope], dim=-1)
 
 
 def test_kv_formats_lists_every_format_with_its_widths():
-    assert sorted(kv_formats.FORMATS) == ["glm_nope_fp8", "model1_fp8", "v32_fp8"]
+    assert sorted(kv_formats.FORMATS) == ["glm_nope_fp8", "model1_fp8", "model1_nvfp4", "v32_fp8"]
     widths = {name: (f.bytes_per_token, f.d_qk, f.d_v) for name, f in kv_formats.FORMATS.items()}
-    assert widths == {"model1_fp8": (584, 512, 512), "v32_fp8": (656, 576, 512), "glm_nope_fp8": (528, 512, 512)}
+    assert widths == {"model1_fp8": (584, 512, 512), "v32_fp8": (656, 576, 512), "glm_nope_fp8": (528, 512, 512),
+                      "model1_nvfp4": (384, 512, 512)}
     assert kv_formats.DEFAULT_FORMAT == MODEL1 and kv_formats.FORMATS[MODEL1] is MODEL1_FP8
     assert all(kv_formats.writers(name) for name in kv_formats.FORMATS)  # each packs as some engine writes it
     doc_rows = {ln.split("|")[1].strip().strip("`"): [c.strip() for c in ln.split("|")[3:6]]
@@ -653,7 +675,8 @@ def test_pack_pitch_and_unpack_by_width():
     ((torch.randn(2, 8, 512), "model1_fp8", 16), {}, "has blocks of 8 tokens, page_block_size is 16"),
     ((torch.randn(0, 512), "model1_fp8", 16), {}, "holds no token"),
     ((torch.zeros(10, 512, dtype=torch.int32), "model1_fp8", 16), {}, "must be a floating-point torch.Tensor"),
-    ((torch.randn(10, 512), "fp4", 16), {}, "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'v32_fp8']"),
+    ((torch.randn(10, 512), "fp4", 16), {},
+     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', 'v32_fp8']"),
     ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(writer="flashmla"),
      f"writer must be one of {kv_formats.writers('glm_nope_fp8')} for glm_nope_fp8, got 'flashmla'"),
     ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(row_stride=600), "row_stride 600 must be a multiple of 16"),

@@ -5,10 +5,11 @@ Accepted cache views (uint8 or float8_e4m3fn, one byte per element), W the last 
 - ``[num_blocks, P, 1, W]`` ("NHD") and ``[num_blocks, 1, P, W]`` ("HND");
 - ``[num_blocks, P * W]`` (a block as bytes; any padding lives in the block stride).
 
-A footer format (MODEL1) has W = its bytes per token and packed rows (token stride W); an
-inline format has W at least its row bytes (a wider W, such as GLM-5.3 rows in 656-byte pool
-rows, holds bytes that are never read) and any token stride (the row stride) that is a
-multiple of 16 and at least its row bytes; a 2-D view has the format's default row pitch.
+A footer format (MODEL1, MODEL1 NVFP4) has W = its bytes per token and packed rows (token
+stride W); an inline format has W at least its row bytes (a wider W, such as GLM-5.3 rows in
+656-byte pool rows, holds bytes that are never read) and any token stride (the row stride)
+that is a multiple of 16 and at least its row bytes; a 2-D view has the format's default row
+pitch (an e2m1 format's 2-D view is read only where ``kv_format`` names it: ``format_of``).
 The block stride may exceed the block's bytes and must be a multiple of 16, as must the data
 pointer. ``CacheLayoutError`` says what a view lacks.
 """
@@ -21,6 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from .kv_format import DEFAULT_FORMAT, FORMAT_BY_WIDTH, FORMATS, FP8_E4M3_MAX, UE8M0_BIAS, KvFormat, formats_of_width, get_format
+
+E2M1_MAX = 6.0
+# the e2m1 nibble s ee m: codes 0..7 are +0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign (8 is -0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 ALIGN = 16  # block and row strides and the data pointer: the row copies are 16-byte cp.async
@@ -74,10 +79,14 @@ def page_division_magic(page_block_size: int) -> int:
 
 def default_block_stride(fmt: KvFormat, page_block_size: int, row_stride: int | None = None) -> int:
     """The packers' block stride: MODEL1 as FlashMLA allocates it (P * 584 rounded up to a
-    multiple of 576), an inline format's rows back to back (a multiple of 16 by the pitch)."""
+    multiple of 576); an e2m1 format (MODEL1 NVFP4) as FlashInfer allocates it, tight (P * 384,
+    a multiple of 16 by the record sizes); an inline format's rows back to back (a multiple of
+    16 by the pitch)."""
     if fmt.inline:
         return page_block_size * (row_stride or fmt.row_pitches[0])
     used = page_block_size * fmt.bytes_per_token
+    if fmt.e2m1:
+        return used
     return fmt.row_bytes * math.ceil(used / fmt.row_bytes)
 
 
@@ -96,11 +105,18 @@ def format_of(cache, kv_format: str | None) -> KvFormat:
     if cache.dim() == 2 and width:
         fits = sorted(f.name for f in FORMATS.values()
                       if width % (f.row_pitches[0] if f.inline else f.bytes_per_token) == 0)
-        if fits == [DEFAULT_FORMAT]:
+        # an e2m1 format's 2-D view is read only by name (its writer makes 4-D views): a MODEL1
+        # block of P * 584 bytes that is also a whole number of 384-byte tokens (P a multiple
+        # of 48) reads as MODEL1 without kv_format, as before that format existed
+        inferred = [name for name in fits if not FORMATS[name].e2m1]
+        if inferred == [DEFAULT_FORMAT]:
             return FORMATS[DEFAULT_FORMAT]
-        if fits:
+        if inferred:
             raise CacheLayoutError(f"a 2-D cache is read as {DEFAULT_FORMAT} unless kv_format= names its format "
                                    f"(its {width} bytes per block fit {fits})")
+        if fits:
+            raise CacheLayoutError(f"a 2-D cache of {width} bytes per block is read as {fits} only where kv_format= "
+                                   f"names it")
         raise CacheLayoutError(f"no cache format has blocks of {width} bytes (a whole number of rows): pass "
                                f"kv_format= (one of {sorted(FORMATS)}) or a 4-D view")
     if cache.dim() == 4 and width in FORMAT_BY_WIDTH:
@@ -212,20 +228,72 @@ def _b12x_glm_next(groups: torch.Tensor):
     return scale, _e4m3(groups * (1.0 / scale)[..., None])
 
 
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """The e2m1 nibbles (uint8 0..15, ``E2M1_VALUES``) of float32 ``x`` as a satfinite
+    round-to-nearest-even conversion (``cvt.rn.satfinite.e2m1x2.f32``) writes them: ties to the
+    even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4),
+    magnitudes past 6 (infinities included) saturated to 6, the sign of a zero kept (-0 and
+    negatives that round to 0 are code 8); NaN is +6 (code 7: e2m1 has no NaN)."""
+    x = x.float()
+    a = x.abs()
+    # the code of |x| is the number of rounding boundaries it passes; at a boundary (a tie) the
+    # even code wins: "> b" where the code below is even, ">= b" where the code above is
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0))
+    code = torch.where(torch.isnan(x), 7, code + torch.signbit(x).to(torch.uint8) * 8)
+    return code.to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of e2m1 nibbles (any integer dtype, 0..15; ``E2M1_VALUES``)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles [..., 2n] -> bytes [..., n]: element 2i in the low nibble of byte i."""
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] -> nibbles uint8 [..., 2n] (``pack_nibbles``' inverse)."""
+    data = data.to(torch.uint8)
+    return torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2)
+
+
+def _flashinfer_nvfp4(groups: torch.Tensor):
+    """FlashInfer's DeepSeek-V4 NVFP4 writer (group 16, no global scale): the scale
+    s = e4m3_satfinite(amax / 6) (amax over the group, float32), the codes
+    e2m1_satfinite(x * (1 / s)) (a float32 reciprocal, then the product, round to nearest
+    even); every code of a group with s == 0 is +0. Returns (s as float32: an e4m3 value,
+    the codes as float32 values of the e2m1 grid, signed zeros kept)."""
+    amax = groups.abs().amax(dim=-1)
+    scale = _e4m3(amax / E2M1_MAX).float()
+    codes = e2m1_decode(e2m1_encode(groups * (1.0 / scale)[..., None]))
+    return scale, torch.where((scale == 0)[..., None], 0.0, codes)
+
+
 # per format: writer name -> recipe; the first is the packer's default
 WRITERS = {
     "model1_fp8": {"vllm": _vllm_pow2, "flashmla": _flashmla_pow2},
     "v32_fp8": {"flashmla": _flashmla_pow2, "vllm": _vllm_fp32, "sglang": _sglang_fp32},
     # vLLM keeps GLM-5.3 in its 656-byte pool rows, rope zero: the same recipe, read as 528-byte rows
     "glm_nope_fp8": {"vllm": _vllm_fp32, "b12x": _b12x_glm_next},
+    # FlashInfer's nvfp4_quantize_pack / _append_sparse_mla_cache (dsv4_nvfp4_cache_ops.cu)
+    "model1_nvfp4": {"flashinfer": _flashinfer_nvfp4},
 }
 
 
 def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer: str | None = None):
     """Quantize ``[..., d_qk]`` latent rows as ``writer`` (``WRITERS``) writes ``kv_format``.
 
-    Returns ``(nope codes [..., nope] float8_e4m3fn, scales [..., groups] float32, rope [..., rope] bf16)``;
-    the scales are the values the format stores (UE8M0 formats: powers of two)."""
+    Returns ``(nope codes [..., nope], scales [..., groups] float32, rope [..., rope] bf16)``;
+    the scales are the values the format stores (UE8M0 formats: powers of two; E4M3 scales:
+    e4m3 values). The codes: float8_e4m3fn for an e4m3 format; for an e2m1 format float32
+    values of the e2m1 grid (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, the sign of a zero kept: -0.0
+    is nibble 8), one per nope dim (``e2m1_encode`` gives the nibbles, ``pack_nibbles`` the
+    bytes). Either way ``codes.float() * scale`` (per group) is the dequantized nope part."""
     fmt = get_format(kv_format)
     recipes = WRITERS[fmt.name]
     recipe = recipes[writer or next(iter(recipes))] if (writer or next(iter(recipes))) in recipes else None
@@ -244,6 +312,8 @@ def _scale_record(fmt: KvFormat, scale: torch.Tensor) -> torch.Tensor:
     """The stored scale bytes [..., scale_bytes] (uint8) of float32 scales [..., groups]."""
     if fmt.scale_type == "ue8m0":
         return (torch.log2(scale) + UE8M0_BIAS).round().to(torch.uint8)
+    if fmt.scale_type == "e4m3":  # e4m3 values: exact
+        return scale.float().to(torch.float8_e4m3fn).view(torch.uint8)
     return scale.contiguous().view(torch.uint8).reshape(*scale.shape[:-1], fmt.scale_bytes)
 
 
@@ -255,8 +325,9 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
 
     ``block_stride`` (bytes, a multiple of 16) defaults to ``default_block_stride``;
     ``row_stride`` (inline formats) to the format's default pitch. Bytes that hold no data
-    (padding, a pad byte, the unused tail of a wide row) are ``fill``. The result is a uint8
-    view of a ``[num_blocks, block_stride]`` buffer on the latent's device."""
+    (padding, MODEL1's pad byte, the unused tail of a wide row) are ``fill``; the 4 pad bytes
+    of an e2m1 format's footer record are 0 whatever ``fill`` (its specification). The result
+    is a uint8 view of a ``[num_blocks, block_stride]`` buffer on the latent's device."""
     fmt = get_format(kv_format)
     if latent.dim() != 3 or latent.shape[-1] != fmt.d_qk:
         raise ValueError(f"latent must be [num_blocks, P, {fmt.d_qk}] for {fmt.name}, got {list(latent.shape)}")
@@ -274,13 +345,18 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
     storage = torch.full((num_blocks * stride + pitch,), fill, dtype=torch.uint8, device=latent.device)
     row_pitch = pitch if fmt.inline else fmt.row_bytes  # footer formats: rows packed, then the footer
     rows = torch.as_strided(storage, (num_blocks, page, fmt.row_bytes), (stride, row_pitch, 1))
-    rows[..., :fmt.nope_dims] = codes.view(torch.uint8)
+    if fmt.e2m1:
+        rows[..., :fmt.nope_bytes] = pack_nibbles(e2m1_encode(codes))
+    else:
+        rows[..., :fmt.nope_bytes] = codes.view(torch.uint8)
     rows[..., fmt.rope_offset:] = rope.contiguous().view(torch.uint8).view(num_blocks, page, 2 * fmt.rope_dims)
     record = _scale_record(fmt, scale)
     if fmt.inline:
         rows[..., fmt.scale_offset:fmt.scale_offset + fmt.scale_bytes] = record
     else:
-        footer = torch.as_strided(storage, (num_blocks, page, fmt.scale_bytes), (stride, fmt.footer_bytes, 1),
+        if fmt.e2m1:  # the whole record: its pad bytes 0
+            record = torch.cat([record, record.new_zeros(*record.shape[:-1], fmt.footer_pad)], dim=-1)
+        footer = torch.as_strided(storage, (num_blocks, page, record.shape[-1]), (stride, fmt.footer_bytes, 1),
                                   page * fmt.row_bytes)
         footer.copy_(record)
     width = pitch if not fmt.inline else max(w for w in fmt.view_widths if w <= pitch)
@@ -308,16 +384,23 @@ def _gather_raw(view: CacheView, slots: torch.Tensor):
 
 def decode_scales(fmt: KvFormat, records: torch.Tensor) -> torch.Tensor:
     """float32 scale factors [..., groups] of stored scale records [..., scale_bytes]: a UE8M0
-    byte b is 2**(b - 127) (byte 0 is 2**-127, not 0); an FP32 scale is read as it is."""
+    byte b is 2**(b - 127) (byte 0 is 2**-127, not 0); an E4M3 byte is its e4m3 value (0 is 0,
+    0x7F and 0xFF NaN); an FP32 scale is read as it is."""
     if fmt.scale_type == "ue8m0":
         return torch.exp2(records.float() - UE8M0_BIAS)
+    if fmt.scale_type == "e4m3":
+        return records.contiguous().view(torch.float8_e4m3fn).float()
     return records.contiguous().view(torch.float32)
 
 
 def _row_parts(fmt: KvFormat, rows: torch.Tensor, records: torch.Tensor):
     """(nope values as float32 [..., groups, group], their scale factors [..., groups], rope
-    float32 [..., rope_dims]) of raw rows and scale records."""
-    nope = rows[..., :fmt.nope_dims].contiguous().view(torch.float8_e4m3fn).float()
+    float32 [..., rope_dims]) of raw rows and scale records. The nope values are the stored
+    elements' own: e4m3 values, or e2m1 values (element 2i from the low nibble of byte i)."""
+    if fmt.e2m1:
+        nope = e2m1_decode(unpack_nibbles(rows[..., :fmt.nope_bytes]))
+    else:
+        nope = rows[..., :fmt.nope_bytes].contiguous().view(torch.float8_e4m3fn).float()
     nope = nope.reshape(*nope.shape[:-1], fmt.num_scales, fmt.scale_group)
     rope = rows[..., fmt.rope_offset:fmt.row_bytes].contiguous().view(torch.bfloat16).float()
     return nope, decode_scales(fmt, records), rope

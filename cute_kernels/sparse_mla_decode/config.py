@@ -25,7 +25,10 @@ F16_P_ROW_BYTES = 80  # bytes per head row of P in f16 or bf16: 32 entries + 8 (
 
 def precisions_of(fmt: KvFormat) -> tuple[str, ...]:
     """The compute paths a format has: "mxf8" (the block-scaled MMA takes UE8M0 scale bytes)
-    only for UE8M0 scales; FP32 scales are applied after the MMA."""
+    only for UE8M0 scales; FP32 scales are applied after the MMA; e2m1 values (NVFP4) only
+    "f16" (value times scale becomes an exact f16 operand in registers)."""
+    if fmt.e2m1:
+        return ("f16",)
     return tuple(p for p in PRECISIONS if p != "mxf8" or fmt.scale_type == "ue8m0")
 
 
@@ -139,7 +142,7 @@ class PartialConfig:
         validity masks, indices)."""
         hb, fmt = self.heads_per_cta, self.fmt
         if self.precision == "f16":
-            if fmt.scale_type == "ue8m0":  # P in f16 (the nope warps scale it) and in bf16 (the rope warp's PV)
+            if not fmt.fp32_scales:  # P in f16 (the nope warps' PV) and in bf16 (the rope warp's PV)
                 own = [Region("p_f16", hb * F16_P_ROW_BYTES, 128), Region("p_bf16", hb * F16_P_ROW_BYTES, 128)]
             else:  # P with each scale group's FP32 scales folded in, a row per group; the groups' running maxima
                 own = [Region("p_f16", fmt.num_scales * hb * F16_P_ROW_BYTES, 128),

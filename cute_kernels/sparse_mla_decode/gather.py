@@ -249,7 +249,7 @@ class ChunkGather:
                     cp_async_zfill(dst + piece * 16, row_addr + piece * 16, 16, nbytes)
         if const_expr(not self.fmt.inline):
             if r == tpr - 1:  # the row's scale record: by the thread with the fewest pieces
-                self._copy_scales(stage_base + self.scale_off + e * self.fmt.footer_bytes, scale_addr, nbytes // 2)
+                self._copy_scales(stage_base + self.scale_off + e * self.fmt.footer_bytes, scale_addr, nbytes // 16)
 
     # ------------------------------------------------------------------ one-warp form
     @cute.jit
@@ -276,7 +276,7 @@ class ChunkGather:
         mask, row_addr, scale_addr = located
         if scales and not self.fmt.inline:
             self._copy_scales(stage_base + self.scale_off + lane * self.fmt.footer_bytes, scale_addr,
-                              ((mask >> lane) & 1) * 8)
+                              (mask >> lane) & 1)
         addr_lo = Int32(row_addr & 0xFFFFFFFF)
         addr_hi = Int32(row_addr >> 32)
         r = lane // 4
@@ -299,8 +299,12 @@ class ChunkGather:
         if piece < pieces:
             cp_async_zfill(dst + 16 * piece, src + 16 * piece, 16, nbytes)
 
-    def _copy_scales(self, dst, src, src_bytes):
-        """A footer format's scale record: one 8-byte cp.async of which ``src_bytes`` (8, or 0
-        for an entry that does not count: zero-filled) are read."""
-        assert self.fmt.footer_bytes == 8, "the footer copy is one 8-byte cp.async"
-        cp_async_zfill(dst, src, 8, src_bytes)
+    def _copy_scales(self, dst, src, valid):
+        """A footer format's scale record: one 8-byte cp.async (MODEL1) or 16-byte ones (NVFP4's
+        32-byte records), read when ``valid`` is 1 and zero-filled when 0 (an entry that does
+        not count)."""
+        size = self.fmt.footer_bytes
+        piece = 8 if size == 8 else 16
+        assert size % piece == 0, "a footer record is one 8-byte or whole 16-byte cp.async pieces"
+        for k in range(size // piece):
+            cp_async_zfill(dst + k * piece, src + k * piece, piece, valid * piece)

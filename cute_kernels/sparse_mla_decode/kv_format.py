@@ -1,6 +1,7 @@
 """Sparse-MLA KV-cache formats as data: one description per format, the facts every reader uses.
 
-A token's record holds its latent: ``nope_dims`` e4m3 values with one scale per
+A token's record holds its latent: ``nope_dims`` quantized values (``element``: e4m3, a byte
+each, or e2m1, two to a byte with element 2i in the low nibble of byte i) with one scale per
 ``scale_group`` of them, then (optionally) ``rope_dims`` bf16 values stored as they are.
 Where the scales sit:
 
@@ -37,11 +38,31 @@ class KvFormat:
     nope_dims: int
     rope_dims: int
     rope_in_v: bool
-    scale_type: str  # "ue8m0": one byte b, 2**(b - 127); "fp32": a little-endian float32
+    # "ue8m0": one byte b, 2**(b - 127); "fp32": a little-endian float32; "e4m3": one e4m3 byte
+    scale_type: str
     scale_group: int
     scale_placement: str  # "footer" | "inline"
     footer_pad: int = 0
     row_pitches: tuple[int, ...] = ()
+    element: str = "e4m3"  # the nope values: "e4m3" (a byte each) | "e2m1" (two to a byte)
+
+    @property
+    def e2m1(self) -> bool:
+        return self.element == "e2m1"
+
+    @property
+    def fp32_scales(self) -> bool:
+        return self.scale_type == "fp32"
+
+    @property
+    def nope_bytes(self) -> int:
+        """Bytes of a row's nope values."""
+        return self.nope_dims // 2 if self.e2m1 else self.nope_dims
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of one 64-dim nope tile in a row."""
+        return self.nope_bytes // self.nope_tiles
 
     @property
     def d_qk(self) -> int:
@@ -62,7 +83,7 @@ class KvFormat:
 
     @property
     def scale_bytes(self) -> int:
-        return self.num_scales * (1 if self.scale_type == "ue8m0" else 4)
+        return self.num_scales * (4 if self.fp32_scales else 1)
 
     @property
     def view_widths(self) -> tuple[int, ...]:
@@ -92,12 +113,12 @@ class KvFormat:
     @property
     def rope_offset(self) -> int:
         """Byte offset of the rope dims in a row."""
-        return self.nope_dims + (self.scale_bytes if self.inline else 0)
+        return self.nope_bytes + (self.scale_bytes if self.inline else 0)
 
     @property
     def scale_offset(self) -> int:
         """Byte offset of the scales in a row (inline) or in a footer record (footer)."""
-        return self.nope_dims if self.inline else 0
+        return self.nope_bytes if self.inline else 0
 
     @property
     def row_bytes(self) -> int:
@@ -115,12 +136,16 @@ class KvFormat:
         return self.row_bytes + self.footer_bytes
 
     def __post_init__(self):
-        if self.nope_dims % self.scale_group or self.nope_dims % NOPE_TILE or self.scale_group % NOPE_TILE:
-            raise ValueError(f"{self.name}: nope dims and scale groups must be multiples of {NOPE_TILE}")
-        if self.scale_type not in ("ue8m0", "fp32") or self.scale_placement not in ("footer", "inline"):
-            raise ValueError(f"{self.name}: unknown scale type or placement")
-        if self.scale_type == "ue8m0" and self.scale_group != NOPE_TILE:
-            raise ValueError(f"{self.name}: UE8M0 scales are per {NOPE_TILE} dims")
+        # what the kernels read: e4m3 values with a UE8M0 scale per 64 dims or an FP32 scale
+        # per 128; e2m1 values with an E4M3 scale per 16 (NVFP4), in footers of 16-byte records
+        kinds = {("e4m3", "ue8m0"): NOPE_TILE, ("e4m3", "fp32"): 2 * NOPE_TILE, ("e2m1", "e4m3"): 16}
+        if self.nope_dims % NOPE_TILE or self.nope_dims % self.scale_group:
+            raise ValueError(f"{self.name}: nope dims must be a multiple of {NOPE_TILE} and of the scale group")
+        if kinds.get((self.element, self.scale_type)) != self.scale_group or self.scale_placement not in ("footer", "inline"):
+            raise ValueError(f"{self.name}: the kernels read {kinds} (element, scale type): group, in a footer "
+                             f"or inline")
+        if self.e2m1 and (self.inline or self.footer_bytes % 16):
+            raise ValueError(f"{self.name}: e2m1 rows take a footer of whole 16-byte records")
         if self.d_v != D_V or self.rope_dims % 16:
             raise ValueError(f"{self.name}: the kernels take {D_V} value dims and rope dims in k16 steps")
 
@@ -135,21 +160,27 @@ V32_FP8 = KvFormat(
     nope_dims=512, rope_dims=64, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
     row_pitches=(656,),
 )
+MODEL1_NVFP4 = KvFormat(
+    name="model1_nvfp4", model_type="DeepSeek-V4 sparse MLA decode (NVFP4 cache, 384 B per token)",
+    nope_dims=448, rope_dims=64, rope_in_v=True, scale_type="e4m3", scale_group=16, scale_placement="footer",
+    footer_pad=4, element="e2m1",
+)
 GLM_NOPE_FP8 = KvFormat(
     name="glm_nope_fp8", model_type="GLM-5.3 sparse MLA decode (528 B rope-free FP8 rows, FP32 scales)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
     row_pitches=(528, 656),
 )
 
-FORMATS = {f.name: f for f in (MODEL1_FP8, V32_FP8, GLM_NOPE_FP8)}
+FORMATS = {f.name: f for f in (MODEL1_FP8, MODEL1_NVFP4, V32_FP8, GLM_NOPE_FP8)}
 DEFAULT_FORMAT = MODEL1_FP8.name
 # the format a cache of this last-dimension width is read as unless ``kv_format`` names one:
 # 584 is MODEL1's alone; 656 is V3.2's row and also a GLM-5.3 pool pitch (vLLM keeps GLM-5.3
 # rows in 656-byte pool rows), read as V3.2 unless named; a 528-byte row must be named
-FORMAT_BY_WIDTH = {MODEL1_FP8.bytes_per_token: MODEL1_FP8.name, V32_FP8.row_bytes: V32_FP8.name}
+FORMAT_BY_WIDTH = {MODEL1_FP8.bytes_per_token: MODEL1_FP8.name, MODEL1_NVFP4.bytes_per_token: MODEL1_NVFP4.name,
+                   V32_FP8.row_bytes: V32_FP8.name}
 # which formats a main cache of one format may be combined with as the extra (compressed)
 # cache: only where a model does so (DeepSeek-V4's sliding window plus compressed cache)
-EXTRA_FORMATS = {MODEL1_FP8.name: (MODEL1_FP8.name,)}
+EXTRA_FORMATS = {MODEL1_FP8.name: (MODEL1_FP8.name,), MODEL1_NVFP4.name: (MODEL1_NVFP4.name,)}
 
 
 def get_format(name: str) -> KvFormat:

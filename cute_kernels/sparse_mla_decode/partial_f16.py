@@ -40,6 +40,11 @@ Per chunk of 32 entries:
    accumulator is in units of R_w's scale. The accumulators are rescaled (a loop of 0 or 1
    pass) only when a head's max or R_w moved. The rope warp (MODEL1): P in bf16 times the
    rope rows.
+NVFP4 (e2m1 values, ``KvFormat.e2m1``): a tile is 32 bytes of a row and its 4 E4M3 scales
+are in the footer record. Each value operand is e2m1 x 2**-6, as e4m3 by shifts and masks
+(``warp_ops.e2m1x8_to_e4m3x8``) then f16 by ``cvt.rn.f16x2.e4m3x2``, times its entry's scale
+in f16 (one ``mul.rn.f16x2``: exact, ``_e2m1_qk_fragments``, ``_e2m1_pv``); P needs no scale
+and no running maximum; the nope partials and the output carry the 2**6.
 Gather: the first two chunks' rows, on every call's critical path, are copied by all the
 threads; in the main loop the rope warp alone issues the next chunks' indices, masks, rows
 and scales (``ChunkGather.locate_rows`` / ``copy_rows``): ``tuning.EARLY_ROW_GROUPS`` of its
@@ -50,7 +55,7 @@ landed (and the previous PV is done), the partial S written, P written.
 
 Precision: K, V and the scales are exact (every e4m3 value is an f16 value; the scales are
 applied in f32 to S, and to P as powers of two (UE8M0) or in f32 before P's one rounding
-(FP32)); Q is exact unless a component is below 2**-24 of its head's largest (f16
+(FP32); e2m1 x E4M3 products are f16 values); Q is exact unless a component is below 2**-24 of its head's largest (f16
 subnormal); P is rounded to f16 (11 bits). Limit: an entry whose scale in a tile is more
 than 2**24 below the largest of that tile among the split's valid entries has P' below f16's
 smallest subnormal and counts as 0 in that tile's output columns (per-token scales of
@@ -93,8 +98,8 @@ from .epilogue import quad_allreduce
 from .partial import PartialKernel
 from .softmax import SpreadSoftmax
 from .warp_ops import (
-    e4m3x4_to_f16x2, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_f16x2, pow2_f32,
-    pow2_f32_bits, rcp_approx, ue8m0_scale, warp_max_u32,
+    E2M1_F16_EXP, byte_perm, e2m1x8_to_e4m3x8, e4m3x4_to_f16x2, f32_bits, f32_from_bits, ldsm_x4, mma_bf16,
+    mma_f16, mul_f16x2, pack_f16x2, pow2_f32, pow2_f32_bits, rcp_approx, ue8m0_scale, warp_max_u32,
 )
 
 Q_F16_EXP = 14  # Q's nope dims times 2**(14 - E): the head's largest lands in [2**14, 2**15)
@@ -118,8 +123,9 @@ class PartialF16Kernel(PartialKernel):
         self.rope_in_softmax = 32 * (fmt.nope_tiles + 1) == F16_SOFTMAX_THREADS
         assert self.rope_in_softmax or 32 * fmt.nope_tiles == F16_SOFTMAX_THREADS
         assert fmt.rope_dims in (0, UNIT) and (fmt.rope_dims > 0 or not fmt.rope_in_v)
-        assert not self.rope_in_softmax or (fmt.rope_in_v and fmt.scale_type == "ue8m0")
-        self.fp32_scales = fmt.scale_type == "fp32"
+        assert not self.rope_in_softmax or (fmt.rope_in_v and not fmt.fp32_scales)
+        self.fp32_scales = fmt.fp32_scales
+        self.e2m1 = fmt.e2m1
         # where the rope warp issues the indices of a later chunk: with the late rows, stages
         # + 1 chunks ahead (one cp.async group per chunk), or after the chunk-head barrier,
         # stages ahead (their own group); with stages + 1 buffers a late issue in chunk c
@@ -174,12 +180,21 @@ class PartialF16Kernel(PartialKernel):
         # half r, k16 step i) are the columns of A registers a0/a1 and a2/a3: nope warps
         # 4q, 4q+1 / 4q+2, 4q+3 (the order of the e4m3 bytes ldmatrix gives), the rope warp
         # 2q, 2q+1 / 8+2q, 9+2q (bf16's own order)
+        # (e2m1 nope warps: columns 8q + 4h + {0, 1} / 8q + 4h + {2, 3} of k16 steps 2p + h, 32p
+        # further on, which ``_nope_role`` regroups into (8q + 4h, 8q + 4h + 2) and (+1, +3))
+        # column of pair A / B of k16 step i: 32 (i // 2) + step_odd (i % 2) + off_a / off_b
         qraw = cute.make_rmem_tensor(mt * 16, Int32)  # index ((m * 4 + i) * 2 + r) * 2 + pair
         off_a = 4 * qd
         off_b = 4 * qd + 2
+        step_odd = Int32(16)
+        if const_expr(self.e2m1):
+            off_a = 8 * qd
+            off_b = 8 * qd + 2
+            step_odd = Int32(4)
         if warp_id == self.rope_warp:
             off_a = 2 * qd
             off_b = 2 * qd + 8
+            step_odd = Int32(16)
         # the warps with Q columns: the nope warps, and the rope warp where there are rope dims
         q_warps = fmt.nope_tiles + (1 if fmt.rope_dims else 0)
         for m in cutlass.range_constexpr(mt):
@@ -188,7 +203,7 @@ class PartialF16Kernel(PartialKernel):
                 row = p.q.toint() + (Int64(token) * p.q_stride_t + Int64(head) * p.q_stride_h + warp_id * UNIT) * 2
                 for i in cutlass.range_constexpr(4):
                     for pair in cutlass.range_constexpr(2):
-                        col = 16 * i + (off_a if pair == 0 else off_b)
+                        col = 32 * (i // 2) + (i % 2) * step_odd + (off_a if pair == 0 else off_b)
                         v = Int32(0)
                         present = head < p.num_heads
                         if const_expr(q_warps < self.nthr // 32):
@@ -254,10 +269,18 @@ class PartialF16Kernel(PartialKernel):
             for r in cutlass.range_constexpr(2):
                 qscale = pow2_f32(Q_F16_EXP - self._head_exponent(sAmax, 16 * m + g + 8 * r))
                 for i in cutlass.range_constexpr(4):
+                    loaded = [qraw[((m * 4 + i) * 2 + r) * 2 + pair] for pair in range(2)]
                     for pair in cutlass.range_constexpr(2):
-                        qbits = qraw[((m * 4 + i) * 2 + r) * 2 + pair]
-                        qf[(m * 4 + i) * 4 + 2 * pair + r] = pack_f16x2(f32_from_bits(qbits << 16) * qscale,
-                                                                        f32_from_bits(qbits & -65536) * qscale)
+                        if const_expr(self.e2m1):  # (column X, X + 2) and (X + 1, X + 3) of the two loads
+                            lo, hi = loaded[0], loaded[1]
+                            if const_expr(pair == 0):
+                                lo_bits, hi_bits = lo << 16, hi << 16
+                            else:
+                                lo_bits, hi_bits = lo & -65536, hi & -65536
+                        else:
+                            lo_bits, hi_bits = loaded[pair] << 16, loaded[pair] & -65536
+                        qf[(m * 4 + i) * 4 + 2 * pair + r] = pack_f16x2(f32_from_bits(lo_bits) * qscale,
+                                                                        f32_from_bits(hi_bits) * qscale)
         sm = self._softmax_state(sAmax, tidx, sm_scale_log2)
         acc_O = cute.make_rmem_tensor(mt * 32, Float32)  # index ((m * 4 + blk) * 2 + parity) * 4 + c
         acc_O.fill(0.0)
@@ -271,7 +294,9 @@ class PartialF16Kernel(PartialKernel):
         group = (w * UNIT) // fmt.scale_group  # this tile's scale group
         scale_at = fmt.scale_offset + 4 * group  # FP32: the scale's byte offset in a row
         k_row = (lane % 8) * pitch + (lane // 8) * 16 + w * UNIT  # ldmatrix row of QK
-        v_row = lane * pitch + w * UNIT  # ldmatrix.trans row of PV
+        if const_expr(self.e2m1):  # one ldmatrix.x4: entries 8 (i // 2) + r, bytes 16 (i % 2).. of the tile
+            k_row = (8 * (lane // 16) + lane % 8) * pitch + 16 * ((lane // 8) % 2) + w * fmt.tile_bytes
+        v_row = lane * pitch + w * fmt.tile_bytes  # ldmatrix.trans row of PV
         # this thread's share of the first stages - 1 chunks' rows (``issue_rows``, one
         # cp.async group each; the nope warps copy nothing later): chunk c_begin's landed
         # before its barrier, the next one's at the end of the first iteration (later a wait
@@ -284,7 +309,11 @@ class PartialF16Kernel(PartialKernel):
             stage_base = ctx.raw_base + (step % self.stages) * self.gather.stage_bytes
             valid_rows = ctx.sMask[buf]
             scale_base = stage_base + self.gather.scale_off
-            if const_expr(self.fp32_scales):
+            r_old = r_run[0]
+            r_new = r_old
+            if const_expr(self.e2m1):
+                pass  # the E4M3 scales go into the value operands (``_e2m1_qk_fragments``, ``_e2m1_pv``)
+            elif const_expr(self.fp32_scales):
                 for nb in cutlass.range_constexpr(4):
                     for i in cutlass.range_constexpr(2):
                         sf[2 * nb + i] = _smem_scalar(Float32, stage_base + (8 * nb + 2 * qd + i) * pitch + scale_at)[0]
@@ -294,11 +323,11 @@ class PartialF16Kernel(PartialKernel):
                     for i in cutlass.range_constexpr(2):
                         sbytes[2 * nb + i] = load_smem_u8(scale_base + (8 * nb + 2 * qd + i) * fmt.footer_bytes + w)
                 mine = load_smem_u8(scale_base + lane * fmt.footer_bytes + w)
-            if (valid_rows >> lane) & 1 == 0:
-                mine = Int32(0)
-            r_old = r_run[0]
-            r_new = cutlass.max(r_old, warp_max_u32(mine))
-            r_run[0] = r_new
+            if const_expr(not self.e2m1):
+                if (valid_rows >> lane) & 1 == 0:
+                    mine = Int32(0)
+                r_new = cutlass.max(r_old, warp_max_u32(mine))
+                r_run[0] = r_new
             if const_expr(self.fp32_scales):  # R_w for the softmax's folding (read after the S barrier)
                 if lane == 0:
                     _smem_scalar(Float32, bases.scale_max + 4 * w)[0] = f32_from_bits(r_new)
@@ -310,25 +339,34 @@ class PartialF16Kernel(PartialKernel):
             for nb0 in cutlass.range_constexpr(0, 4, at_once):
                 tiles = range(nb0, nb0 + at_once)
                 b = {}
-                for nb in tiles:
-                    kb = ldsm_x4(stage_base + k_row + 8 * nb * pitch, trans=False)
-                    b[nb] = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
+                if const_expr(self.e2m1):
+                    for nb in cutlass.range_constexpr(nb0, nb0 + at_once, 2):
+                        b.update(self._e2m1_qk_fragments(stage_base + k_row + 8 * nb * pitch, scale_base, nb, w, lane))
+                else:
+                    for nb in tiles:
+                        kb = ldsm_x4(stage_base + k_row + 8 * nb * pitch, trans=False)
+                        b[nb] = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
                 for m in cutlass.range_constexpr(mt):
                     d = {nb: [Float32(0.0)] * 4 for nb in tiles}
                     for i in cutlass.range_constexpr(4):
                         for nb in tiles:
                             d[nb] = mma_f16(d[nb], [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[nb][i])
                     for nb in tiles:
-                        kf = [self._entry_scale(sbytes, sf, 2 * nb + i) for i in range(2)]
-                        self._store_s_part(bases, w, m, nb, lane, [d[nb][0] * kf[0], d[nb][1] * kf[1],
-                                                                   d[nb][2] * kf[0], d[nb][3] * kf[1]])
+                        if const_expr(self.e2m1):  # the scales are in the operands
+                            self._store_s_part(bases, w, m, nb, lane, d[nb])
+                        else:
+                            kf = [self._entry_scale(sbytes, sf, 2 * nb + i) for i in range(2)]
+                            self._store_s_part(bases, w, m, nb, lane, [d[nb][0] * kf[0], d[nb][1] * kf[1],
+                                                                       d[nb][2] * kf[0], d[nb][3] * kf[1]])
             cute.arch.sync_threads()
             moved = self.softmax.step(sm, bases, valid_rows, tidx, step, stage_base)
 
             # O_w = O_w * correction * R_old / R_new + P' V_w, P' = P s / R_w
             pa = []
             ratio = Float32(1.0)
-            if const_expr(self.fp32_scales):  # P' as the softmax folded it (this tile's group's row)
+            if const_expr(self.e2m1):  # P itself: the scales are in the value operands
+                pa = [self._load_p(bases.p16, m, s, lane) for m in range(mt) for s in range(2)]
+            elif const_expr(self.fp32_scales):  # P' as the softmax folded it (this tile's group's row)
                 ratio = f32_from_bits(r_old) * rcp_approx(f32_from_bits(r_new))
                 for m in cutlass.range_constexpr(mt):
                     for s in cutlass.range_constexpr(2):
@@ -352,7 +390,10 @@ class PartialF16Kernel(PartialKernel):
             # register moves ptxas puts where the paths meet with 32 heads, was 3-5% slower.)
             for _ in cutlass.range(moved | Int32(r_new != r_old), unroll=1):
                 self._rescale(acc_O, corr_base, ratio, g)
-            self._nope_pv(acc_O, pa, stage_base + v_row)
+            if const_expr(self.e2m1):
+                self._e2m1_pv(acc_O, pa, stage_base + v_row, scale_base, w, lane)
+            else:
+                self._nope_pv(acc_O, pa, stage_base + v_row)
             cute.arch.cp_async_wait_group(0)
 
         self._finish_softmax(sm, bases, out, tidx)
@@ -362,7 +403,15 @@ class PartialF16Kernel(PartialKernel):
             return [(w * UNIT + 16 * blk + 4 * qd, [((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2 for k in range(4)])
                     for blk in range(4)]
 
-        if const_expr(self.fp32_scales):
+        if const_expr(self.e2m1):
+            # e2m1: column 64 w + 32 p + 8 q + k of row (m, r) is accumulator ((m * 2 + p) * 4 + k % 4)
+            # * 4 + 2 r + k // 4, in units of 2**-6 (``E2M1_F16_EXP``)
+            def pieces(m, r):
+                return [(w * UNIT + 32 * p + 8 * qd, [((m * 2 + p) * 4 + k % 4) * 4 + 2 * r + k // 4 for k in range(8)])
+                        for p in range(2)]
+
+            unit = Float32(2.0 ** E2M1_F16_EXP)
+        elif const_expr(self.fp32_scales):
             unit = f32_from_bits(r_run[0])
         else:
             unit = ue8m0_scale(r_run[0])
@@ -374,6 +423,67 @@ class PartialF16Kernel(PartialKernel):
         if const_expr(self.fp32_scales):
             return sf[k]
         return ue8m0_scale(sbytes[k])
+
+    @cute.jit
+    def _e2m1_qk_fragments(self, k_addr, scale_base, nb: int, w, lane) -> dict:
+        """e2m1 (NVFP4): the f16 B fragments of n tiles nb and nb + 1 of this warp's tile, the
+        E4M3 scales multiplied in (exact: value x scale has at most 6 significant bits and
+        value x scale x 2**-6 is at least 2**-16, above f16's smallest subnormal). One
+        ``ldmatrix.x4`` at ``k_addr`` gives register 2 t + p = bytes 4q..4q+3 of piece p (32
+        columns) of entry 8 (nb + t) + g: columns 32p + 8q + {0..7}; as e4m3
+        (``e2m1x8_to_e4m3x8``) and f16, the pairs (8q + 4h, 8q + 4h + 2) and (8q + 4h + 1,
+        8q + 4h + 3) are k16 step 2p + h's b0 and b1 (the Q columns the kernel loads in that
+        order). Returns {n tile: [[b0, b1] per k16 step]}."""
+        g = lane // 4
+        qd = lane % 4
+        kb = ldsm_x4(k_addr, trans=False)
+        frags = {}
+        for t in cutlass.range_constexpr(2):
+            # the entry's scales of groups 4w + 2p + q // 2 (p = 0, 1), each as an f16 pair
+            word = _smem_scalar(Int32, scale_base + (8 * (nb + t) + g) * self.fmt.footer_bytes + 4 * w)[0]
+            sc = e4m3x4_to_f16x2(byte_perm(word, Int32(0), 0x2200 + 0x1111 * (qd // 2)))
+            steps = []
+            for p in cutlass.range_constexpr(2):
+                lo, hi = e2m1x8_to_e4m3x8(kb[2 * t + p])
+                even, odd = e4m3x4_to_f16x2(lo), e4m3x4_to_f16x2(hi)  # columns 0, 2 | 4, 6 and 1, 3 | 5, 7
+                steps += [[mul_f16x2(even[h], sc[p]), mul_f16x2(odd[h], sc[p])] for h in range(2)]
+            frags[nb + t] = steps
+        return frags
+
+    @cute.jit
+    def _e2m1_pv(self, acc_O, pa, v_base, scale_base, w, lane):
+        """e2m1 (NVFP4): acc_O += P V_w for one chunk. Per piece p (32 columns) one
+        ``ldmatrix.x4.trans`` from ``v_base``: matrix j, entries 8j + 2q, 8j + 2q + 1 (the two
+        16-bit halves), columns 32p + 4g .. + 3; as e4m3 and paired by one byte permute, the
+        B fragment pairs of columns 32p + 4g + c (c = 0, 2 from the low nibbles, 1, 3 from the
+        high ones), times the two entries' scales (exact, as in ``_e2m1_qk_fragments``).
+        Column class c of piece p is one MMA per k16 step."""
+        g = lane // 4
+        qd = lane % 4
+        fb = self.fmt.footer_bytes
+        # scales of entries 8j + 2q + {0, 1}, groups 4w + 2p + g // 4: per j [piece 0, piece 1] f16 pairs
+        sp = []
+        for j in cutlass.range_constexpr(4):
+            e0 = scale_base + (8 * j + 2 * qd) * fb + 4 * w
+            w0 = _smem_scalar(Int32, e0)[0]
+            w1 = _smem_scalar(Int32, e0 + fb)[0]
+            sp.append(e4m3x4_to_f16x2(byte_perm(w0, w1, 0x6240 + 0x1111 * (g // 4))))
+        for p in cutlass.range_constexpr(2):
+            vfrag = ldsm_x4(v_base + 16 * p, trans=True)
+            cols = []  # per matrix j: the pairs of columns [0, 2, 1, 3]
+            for j in cutlass.range_constexpr(4):
+                lo, hi = e2m1x8_to_e4m3x8(vfrag[j])
+                cols.append(e4m3x4_to_f16x2(lo, PAIR_COLUMNS) + e4m3x4_to_f16x2(hi, PAIR_COLUMNS))
+            for c in cutlass.range_constexpr(4):
+                at = (c % 2) * 2 + c // 2  # column c's pair in ``cols[j]``
+                bv = [mul_f16x2(cols[j][at], sp[j][p]) for j in range(4)]
+                for m in cutlass.range_constexpr(self.groups):
+                    base = ((m * 2 + p) * 4 + c) * 4
+                    d = [acc_O[base + k] for k in range(4)]
+                    for s in cutlass.range_constexpr(2):
+                        d = mma_f16(d, pa[m * 2 + s], [bv[2 * s], bv[2 * s + 1]])
+                    for k in cutlass.range_constexpr(4):
+                        acc_O[base + k] = d[k]
 
     def _rescale(self, acc_O, corr_base, ratio, g):
         """acc_O of this thread's head rows (16 m + g + 8 r) times the row's correction (shared
@@ -534,7 +644,9 @@ class PartialF16Kernel(PartialKernel):
     def _softmax_state(self, sAmax, tidx, sm_scale_log2):
         """This thread's state of the spread softmax (``SpreadSoftmax.state``): the nope
         partials of head row h are in units of 2**(E_h - 14) (Q's f16 scale)."""
-        return self.softmax.state(tidx, lambda hrow: self._head_exponent(sAmax, hrow) - Q_F16_EXP, sm_scale_log2)
+        b_exp = E2M1_F16_EXP if self.e2m1 else 0  # e2m1 operands are value x 2**-6
+        return self.softmax.state(tidx, lambda hrow: self._head_exponent(sAmax, hrow) - Q_F16_EXP + b_exp,
+                                  sm_scale_log2)
 
     @cute.jit
     def _finish_softmax(self, sm, bases, out, tidx):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .cache_format import gather_slot_parts, read_cache_view
+from .kv_format import EXTRA_FORMATS
 
 
 def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None) -> torch.Tensor:
@@ -57,11 +58,16 @@ def reference_decode(
     dtype: torch.dtype = torch.float64,
 ):
     """Return ``(out [T, H, d_v], lse [T, H])`` in ``dtype`` (float64 by default: the test
-    oracle) for ``q [T, H, d_qk]``, ``indices [T, topk]``. ``kv_format`` / ``extra_kv_format``:
-    the caches' formats (None: by the cache's width). The cache values are exact in float32, so
-    ``dtype`` decides only the arithmetic's rounding. ``sm_scale`` defaults to the format's."""
+    oracle) for ``q [T, H, d_qk]``, ``indices [T, topk]``. ``kv_format``: the main cache's
+    format (None: by the cache's width); ``extra_kv_format``: the extra cache's (None: the one
+    format a model pairs with the main one, ``EXTRA_FORMATS``, as the API reads it; else by
+    the width). The cache values are exact in float32, so ``dtype`` decides only the
+    arithmetic's rounding. ``sm_scale`` defaults to the format's."""
+    main_fmt = read_cache_view(kv_cache, kv_format).fmt
     if sm_scale is None:
-        sm_scale = read_cache_view(kv_cache, kv_format).fmt.default_sm_scale
+        sm_scale = main_fmt.default_sm_scale
+    if extra_kv_format is None and len(EXTRA_FORMATS.get(main_fmt.name, ())) == 1:
+        extra_kv_format = EXTRA_FORMATS[main_fmt.name][0]
     scores, rows = _scores_and_values(q, kv_cache, kv_format, indices, topk_length, sm_scale, dtype)
     if extra_kv_cache is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
         s2, r2 = _scores_and_values(q, extra_kv_cache, extra_kv_format, extra_indices, extra_topk_length, sm_scale,

@@ -189,6 +189,24 @@ def e4m3x4_to_f16x2(x: Int32, selector: int = 0x3210) -> list:
     return [Int32(lo), Int32(hi)]
 
 
+# e2m1 -> f16 in registers, by way of e4m3: nibble ``s ee m`` as the e4m3 byte ``s 00ee m00``
+# is the e4m3 value e2m1 x 2**-6 (codes 0-1 the e4m3 subnormals 0 and 2**-7, codes 2-7
+# exponent fields 1-3), which ``cvt.rn.f16x2.e4m3x2`` turns into f16 exactly. Integer shifts
+# and masks, then the conversion the e4m3 formats use: the same instructions on sm_90 and
+# sm_120 (no e2m1 conversion instruction is needed).
+E2M1_F16_EXP = 6
+
+
+def e2m1x8_to_e4m3x8(x):
+    """The 8 e2m1 nibbles of ``x`` as e4m3 bytes of e2m1 x 2**-6 (``E2M1_F16_EXP``), in two
+    registers: (the low nibbles of bytes 0..3, the high nibbles of bytes 0..3), byte i of
+    each from byte i of ``x``: exact. Plain shifts and masks, so that it also runs on Python
+    ints (the low 32 bits: the test of every code, ``tests/test_e2m1_operands.py``)."""
+    lo = ((x << 4) & -0x7F7F7F80) | ((x << 2) & 0x1C1C1C1C)
+    hi = (x & -0x7F7F7F80) | ((x >> 2) & 0x1C1C1C1C)
+    return lo, hi
+
+
 def pack_f16x2(x0: Float32, x1: Float32) -> Int32:
     """Two floats rounded to f16 (nearest even; subnormals kept, beyond range to inf), x0 in the low half."""
     return Int32(_asm([Int32.mlir_type], [Float32(x1), Float32(x0)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f"))
