@@ -142,7 +142,8 @@ def check_format_precision(precision: str | None, kv_format: str = DEFAULT_FORMA
     passes: ``DEFAULT_PRECISION`` reads every format."""
     fmt = get_format(kv_format)
     if precision is not None and precision not in precisions_of(fmt):
-        raise ValueError(f"precision {precision!r} does not read {fmt.name} caches ({fmt.scale_type} scales): "
+        what = "e2m1 values" if fmt.e2m1 else f"{fmt.scale_type} scales"
+        raise ValueError(f"precision {precision!r} does not read {fmt.name} caches ({what}): "
                          f"use one of {precisions_of(fmt)} or None (the default, {DEFAULT_PRECISION})")
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 
+from cute_kernels.sparse_mla_decode.config import precisions_of
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode
@@ -234,6 +235,10 @@ def main(argv=None) -> int:
     vs = get_format(args.vs_kv_format) if args.vs_kv_format else None
     if vs is not None and (vs.d_qk != fmt.d_qk or grid_for(vs.name) != full_grid):
         ap.error(f"--vs-kv-format {vs.name}: not the same grid and query width as {fmt.name}")
+    for f in [fmt] + ([vs] if vs is not None else []):
+        for p in precisions if f is fmt else precisions[:1]:
+            if p != "default" and p not in precisions_of(f):
+                ap.error(f"--precision {p} does not read {f.name} caches (one of {precisions_of(f)})")
     if args.long_context:
         if fmt.name not in EXTRA_FORMATS:
             ap.error(f"--long-context: {fmt.name} has no extra cache")

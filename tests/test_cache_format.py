@@ -820,7 +820,7 @@ def test_every_e2m1_code_decodes_to_its_value():
 
 
 def test_e2m1_encoder_rounds_ties_to_even_and_saturates():
-    """Ties go to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+    """Ties go to the even code, given as values (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
     5 -> 4), a float32 step off a tie to the nearer value; past 6 (infinity included) is 6;
     the sign of a zero is kept; and every float32 of a seeded sample over 40 binades encodes as
     the pure-Python specification's round-to-nearest-even does."""

@@ -334,3 +334,27 @@ def test_block_scaled_form_is_refused_where_the_gpu_lacks_it():
         sparse_mla_decode(q, cache, idx, out=out, precision="mxf8", **kw)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("kv_format", ["model1_fp8", "model1_nvfp4"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_out_rows_only_8_byte_aligned(kv_format, num_splits):
+    """``out`` whose rows are 516 elements apart (odd heads start 8 bytes past a 16-byte
+    boundary: the alignment the API asks for) in final mode (the partial kernel stores out)
+    and split mode (the merge does): right, and the 4 padding elements of each row untouched."""
+    device = torch.device("cuda")
+    case = Case(T=5, H=24, topk=200, kv_format=kv_format)
+    seed = seed_for(f"out rows 8-byte aligned {kv_format} {num_splits}")
+    q, cache, idx, kw = build_inputs(case, device, seed)
+    tensors = {k: v for k, v in kw.items() if k not in ("sm_scale", "kv_format")}
+    wide = torch.full((case.T, case.H, 516), math.nan, dtype=torch.bfloat16, device=device)
+    out = wide[..., :512]
+    lse = torch.full((case.T, case.H), math.nan, dtype=torch.float32, device=device)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, kv_format=kv_format,
+                                  overrides=PlanOverrides(num_splits=num_splits), **tensors)
+    plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
+    torch.cuda.synchronize()
+    assert plan.split.num_splits == num_splits
+    assert torch.isnan(wide[..., 512:]).all(), f"[seed {seed}] a store past a row's 512 elements"
+    check_case(case, "f16", seed, [(out.clone(), lse.clone())], q, cache, idx, kw,
+               f"f16 out rows 516 apart splits={num_splits}")

@@ -1,6 +1,7 @@
-"""The decode kernels on every cache format (``kv_format.FORMATS``) against the float64
-reference, on a CUDA GPU (the GPU tests are skipped without one; ``test_case_inputs_*`` run
-anywhere).
+"""The decode kernels on the inline-scale cache formats (and MODEL1 through the same code)
+against the float64 reference, on a CUDA GPU (the GPU tests are skipped without one;
+``test_case_inputs_*`` run anywhere). DeepSeek-V4's caches, FP8 and NVFP4, have their cases
+in ``tests/test_decode_gpu.py``.
 
 Conventions of ``tests/test_decode_gpu.py``: each case draws its inputs from its own fixed seed
 (printed on failure), poisons the outputs (NaN) before the launch, runs the call twice and

@@ -231,7 +231,7 @@ def _b12x_glm_next(groups: torch.Tensor):
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """The e2m1 nibbles (uint8 0..15, ``E2M1_VALUES``) of float32 ``x`` as a satfinite
     round-to-nearest-even conversion (``cvt.rn.satfinite.e2m1x2.f32``) writes them: ties to the
-    even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4),
+    even code, given as values (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4),
     magnitudes past 6 (infinities included) saturated to 6, the sign of a zero kept (-0 and
     negatives that round to 0 are code 8); NaN is +6 (code 7: e2m1 has no NaN)."""
     x = x.float()

@@ -121,8 +121,8 @@ class PartialConfig:
 
     @property
     def q_cols(self) -> int:
-        """The tile paths' bf16 Q tile columns: d_qk rounded up to a 64-column swizzle atom (all
-        three formats' d_qk, 512 and 576, are multiples of 64)."""
+        """The tile paths' bf16 Q tile columns: d_qk rounded up to a 64-column swizzle atom (every
+        format's d_qk, 512 and 576, are multiples of 64)."""
         return -(-self.fmt.d_qk // 64) * 64
 
     @property

@@ -112,6 +112,8 @@ def fp8_path_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
     if unknown:
         raise TypeError(f"fp8_path_decode got unexpected arguments {sorted(unknown)}")
     fmt = read_cache_view(kv_cache, call.get("kv_format")).fmt
+    if fmt.e2m1:
+        raise ValueError(f"the FP8 paths do not read {fmt.name} caches (e2m1 values): nothing to model")
     sm_scale = fmt.default_sm_scale if call.get("sm_scale") is None else call["sm_scale"]
     extra_kv_cache, extra_indices = call.get("extra_kv_cache"), call.get("extra_indices")
     T, H, _ = q.shape

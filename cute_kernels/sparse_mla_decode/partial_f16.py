@@ -137,6 +137,8 @@ class PartialF16Kernel(PartialKernel):
         self.early_row_groups = tuning.EARLY_ROW_GROUPS[cfg.head_groups]
         self.softmax = SpreadSoftmax(cfg)
         self.qk_tiles_at_once = tuning.F16_QK_TILES_AT_ONCE[cfg.head_groups, cfg.two_ctas_per_sm]
+        # e2m1: one ldmatrix.x4 gives two n tiles (``_e2m1_qk_fragments``)
+        assert not self.e2m1 or self.qk_tiles_at_once % 2 == 0
         self.rope_qk_tiles_at_once = tuning.F16_ROPE_QK_TILES_AT_ONCE[cfg.head_groups, cfg.two_ctas_per_sm]
 
     @cute.kernel
@@ -404,11 +406,12 @@ class PartialF16Kernel(PartialKernel):
                     for blk in range(4)]
 
         if const_expr(self.e2m1):
-            # e2m1: column 64 w + 32 p + 8 q + k of row (m, r) is accumulator ((m * 2 + p) * 4 + k % 4)
-            # * 4 + 2 r + k // 4, in units of 2**-6 (``E2M1_F16_EXP``)
+            # e2m1: column 64 w + 32 p + 8 q + 4 h + c of row (m, r) is accumulator ((m * 2 + p) * 4 + c)
+            # * 4 + 2 r + h, in units of 2**-6 (``E2M1_F16_EXP``); stored 4 columns at a time, as
+            # the other formats' (``out`` rows are only 8-byte aligned)
             def pieces(m, r):
-                return [(w * UNIT + 32 * p + 8 * qd, [((m * 2 + p) * 4 + k % 4) * 4 + 2 * r + k // 4 for k in range(8)])
-                        for p in range(2)]
+                return [(w * UNIT + 32 * p + 8 * qd + 4 * h, [((m * 2 + p) * 4 + c) * 4 + 2 * r + h for c in range(4)])
+                        for p in range(2) for h in range(2)]
 
             unit = Float32(2.0 ** E2M1_F16_EXP)
         elif const_expr(self.fp32_scales):
@@ -643,7 +646,8 @@ class PartialF16Kernel(PartialKernel):
     @cute.jit
     def _softmax_state(self, sAmax, tidx, sm_scale_log2):
         """This thread's state of the spread softmax (``SpreadSoftmax.state``): the nope
-        partials of head row h are in units of 2**(E_h - 14) (Q's f16 scale)."""
+        partials of head row h are in units of 2**(E_h - 14) (Q's f16 scale), times 2**6 for
+        e2m1 operands (value x 2**-6)."""
         b_exp = E2M1_F16_EXP if self.e2m1 else 0  # e2m1 operands are value x 2**-6
         return self.softmax.state(tidx, lambda hrow: self._head_exponent(sAmax, hrow) - Q_F16_EXP + b_exp,
                                   sm_scale_log2)

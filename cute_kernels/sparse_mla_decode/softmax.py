@@ -15,8 +15,9 @@ Two forms:
   the first 256 sums the partials of 2 or 4 consecutive entries of one head and runs the
   softmax with the 16 or 8 threads of its head. A head's reference max moves only when the
   chunk's max exceeds it by more than ``tuning.RESCALE_LOG2`` (so P <= 2**8); P is written
-  to shared memory with the row's rescale factor, for the PV step to load: UE8M0 formats in
-  f16 (the nope warps scale it by powers of two) and bf16 (the rope warp); FP32-scale
+  to shared memory with the row's rescale factor, for the PV step to load: UE8M0 and NVFP4
+  formats in f16 (UE8M0: the nope warps scale it by powers of two; NVFP4: the scales are in
+  the value operands) and bf16 (the rope warp); FP32-scale
   formats once per scale group g, in f16, as P * s_g / R_g (s_g the entry's scale of group
   g, R_g the group's running maximum, ``scale_max``): the FP32 scale is applied in f32 and
   P rounded once.
