@@ -314,12 +314,12 @@ def _fp32_scale_format(kv_lora_rank, qk_rope_head_dim) -> KvFormat | None:
     """The inline FP32-scale format of these widths: V3.2's rows (512 + 64, which GLM-5.x
     uses too), GLM-5.3's (512 + 0); None for any other pair."""
     found = [f for f in FORMATS.values()
-             if f.scale_type == "fp32" and (f.nope_dims, f.rope_dims) == (kv_lora_rank, qk_rope_head_dim)]
+             if f.fp32_scales and (f.nope_dims, f.rope_dims) == (kv_lora_rank, qk_rope_head_dim)]
     return found[0] if len(found) == 1 else None
 
 
 def _served_formats() -> str:
-    return ", ".join(f"{f.name} ({f.nope_dims} + {f.rope_dims})" for f in FORMATS.values() if f.scale_type == "fp32")
+    return ", ".join(f"{f.name} ({f.nope_dims} + {f.rope_dims})" for f in FORMATS.values() if f.fp32_scales)
 
 
 def _per_token_lengths(seq_lens, top_k_lens, batch: int, seq_q: int, refuse):

@@ -269,7 +269,7 @@ def test_case_inputs_are_what_the_case_says(case: Case):
         assert (idx[::3] == -1).all()
     slots = idx[valid].long().unique()
     assert torch.isfinite(gather_slots(clean_view, slots)).all()
-    if case.writer in ("vllm", "sglang", "b12x") and fmt.scale_type == "fp32" and not case.tiny:
+    if case.writer in ("vllm", "sglang", "b12x") and fmt.fp32_scales and not case.tiny:
         scales = gather_slot_parts(clean_view, slots)[1]
         assert (torch.frexp(scales).mantissa != 0.5).float().mean() > 0.9  # not powers of two
     if case.T * case.H * case.topk <= 20000:  # the small cases: the reference on the clean twin is finite

@@ -129,7 +129,7 @@ def fp8_path_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
     out_nope = torch.zeros(T, H, fmt.num_scales, fmt.scale_group)
     out_rope = torch.zeros(T, H, fmt.rope_dims)
     total = torch.zeros(T, H)
-    running = _running_scale_max(lists, block_n, fmt.scale_type == "fp32")
+    running = _running_scale_max(lists, block_n, fmt.fp32_scales)
     c0 = 0
     for scores_l, k8, factor, rope in lists:  # each list's chunks: the kernel's chunks
         p = torch.exp(scores_l - m[..., None])  # [T, H, k], 0 for invalid entries

@@ -59,7 +59,7 @@ class PartialBf16Kernel(PartialKernel):
         self.rope_from_raw = fmt.d_qk > D_V
         assert fmt.d_qk == D_V or (fmt.nope_dims == D_V and fmt.rope_dims == 16 * self.wpg)
         # FP32 scales, applied after the MMA: one per warp's slice
-        self.fp32_scales = fmt.scale_type == "fp32"
+        self.fp32_scales = fmt.fp32_scales
         assert not self.fp32_scales or fmt.scale_group == self.wslice
 
     def kernel_operands(self) -> tuple:

@@ -103,7 +103,7 @@ class PartialFp8Kernel(PartialKernel):
         fmt = self.fmt
         # warp wq of a group: nope tiles wq and wq + wpg, the rope dims' k16 step wq
         assert self.wpg < fmt.nope_tiles <= 2 * self.wpg and fmt.rope_dims in (0, 16 * self.wpg)
-        self.fp32_scales = fmt.scale_type == "fp32"
+        self.fp32_scales = fmt.fp32_scales
         self.rope_cols = 8 if fmt.rope_in_v else 0  # output columns of the rope dims per thread
 
     def kernel_operands(self) -> tuple:

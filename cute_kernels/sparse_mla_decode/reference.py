@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_format import gather_slot_parts, read_cache_view
+from .cache_format import format_of, gather_slot_parts, read_cache_view
 from .kv_format import EXTRA_FORMATS
 
 
@@ -63,7 +63,7 @@ def reference_decode(
     format a model pairs with the main one, ``EXTRA_FORMATS``, as the API reads it; else by
     the width). The cache values are exact in float32, so ``dtype`` decides only the
     arithmetic's rounding. ``sm_scale`` defaults to the format's."""
-    main_fmt = read_cache_view(kv_cache, kv_format).fmt
+    main_fmt = format_of(kv_cache, kv_format)
     if sm_scale is None:
         sm_scale = main_fmt.default_sm_scale
     if extra_kv_format is None and len(EXTRA_FORMATS.get(main_fmt.name, ())) == 1:

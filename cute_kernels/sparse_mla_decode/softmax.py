@@ -106,7 +106,7 @@ class SpreadSoftmax:
         self.ept = self.hb * cfg.block_n // F16_SOFTMAX_THREADS
         self.tpr = cfg.block_n // self.ept
         self.partials = cfg.s_partials  # the nope warps' partial S, then the rope dims' if any
-        self.fold = fmt.scale_type == "fp32"  # P per scale group with the FP32 scales folded in
+        self.fold = fmt.fp32_scales  # P per scale group with the FP32 scales folded in
         self.row_pitch = fmt.raw_row_stride
         self.group_rows = self.hb * F16_P_ROW_BYTES  # bytes between the P rows of two scale groups
         assert not self.fold or (fmt.scale_offset % 16 == 0 and self.row_pitch % 16 == 0)
