@@ -75,13 +75,15 @@ def flash_mla_with_kvcache(
     *,
     lse_convention: str = "natural",
     kv_format: str | None = None,
+    extra_kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's ``flash_mla_with_kvcache`` call shape, sparse FP8 decode only.
 
     DeepSeek-V4: ``q [B, S, H, 512]`` on a MODEL1 cache ``[num_blocks, P, 1, 584]`` (and its
     extra cache); DeepSeek-V3.2: ``q [B, S, H, 576]`` on ``[num_blocks, P, 1, 656]``. The
-    format comes from the cache's width (``kv_format`` names it where the width does not);
-    ``head_dim_v`` must be its value width (512). ``indices [B, S, topk]``. Returns
+    format comes from the cache's width (``kv_format`` names it where the width does not;
+    ``extra_kv_format`` the extra cache's, as ``sparse_mla_decode``); ``head_dim_v`` must be
+    its value width (512). ``indices [B, S, topk]``. Returns
     ``out [B, S, H, 512]`` bf16 and ``softmax_lse [B, H, S]`` float32, as FlashMLA lays them
     out. ``tile_scheduler_metadata`` and ``num_splits`` are accepted and not needed (this
     library plans its own split).
@@ -102,7 +104,7 @@ def flash_mla_with_kvcache(
     out, lse = sparse_mla_decode(q, k_cache, indices, sm_scale=softmax_scale, topk_length=topk_length,
                                  attn_sink=attn_sink, extra_kv_cache=extra_k_cache,
                                  extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length,
-                                 kv_format=kv_format)
+                                 kv_format=kv_format, extra_kv_format=extra_kv_format)
     return out, convert_lse(lse, attn_sink, lse_convention).transpose(1, 2)
 
 
@@ -120,6 +122,7 @@ def flash_mla_with_kvcache_sm120(
     extra_topk_length: torch.Tensor | None = None,
     lse_convention: str = "natural",
     kv_format: str | None = None,
+    extra_kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang's ``flash_mla_with_kvcache_sm120`` (``sglang.kernels.ops.attention.flash_mla_sm120``,
     read in SGLang 0.5.23's released wheel): keyword arguments only, FlashMLA's
@@ -140,7 +143,8 @@ def flash_mla_with_kvcache_sm120(
                                   is_fp8_kvcache=True, indices=indices, attn_sink=attn_sink,
                                   extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
                                   topk_length=topk_length, extra_topk_length=extra_topk_length,
-                                  lse_convention=lse_convention, kv_format=kv_format)
+                                  lse_convention=lse_convention, kv_format=kv_format,
+                                  extra_kv_format=extra_kv_format)
 
 
 # the format FlashInfer's DeepSeek-V4 call reads on SM120 (its default "fp8" kv_cache_format;
@@ -235,6 +239,8 @@ def trtllm_batch_decode_sparse_mla_dsv4(
                                   sparse_topk_lens if swa_topk_lens is None else swa_topk_lens, sink,
                                   compressed_kv_cache, extra_sparse_indices, extra_sparse_topk_lens, o, None,
                                   "natural", None, _DSV4_FORMAT, keep_lse=return_lse, caller_tag=kv_layout,
+                                  # FlashInfer's "fp8" call: the compressed cache is FP8 too
+                                  extra_kv_format=None if compressed_kv_cache is None else _DSV4_FORMAT,
                                   caller_check=lambda: _check_kv_layout(query, kv_layout, swa_kv_cache=swa_kv_cache,
                                                                         compressed_kv_cache=compressed_kv_cache))
     if o is not out:

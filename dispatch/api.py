@@ -12,8 +12,12 @@ import math
 import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
-from cute_kernels.sparse_mla_decode.cache_format import CacheLayoutError, CacheView, format_of, read_cache_view
-from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, KvFormat
+from cute_kernels.sparse_mla_decode.cache_format import (
+    CacheLayoutError, CacheView, extra_format_of, format_of, read_cache_view,
+)
+from cute_kernels.sparse_mla_decode.kv_format import (
+    EXTRA_FORMATS, EXTRA_ONLY_FORMATS, KvFormat, formats_of_width, get_format,
+)
 from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 
 from .lse import LSE_CONVENTIONS, check_convention, convert_lse
@@ -59,20 +63,28 @@ def _format_name(cache, kv_format) -> str | None:
         return None
 
 
-def _extra_format(kv_format: str | None) -> str | None:
-    """The format an extra cache is read as: the one a model pairs with the main format
-    (``EXTRA_FORMATS``), None where that is not a single format."""
-    allowed = EXTRA_FORMATS.get(kv_format, ())
-    return allowed[0] if len(allowed) == 1 else None
+def _mains_of(*extra_names: str) -> list[str]:
+    """The main formats a model pairs with an extra cache of one of ``extra_names``."""
+    return sorted(m for m, extras in EXTRA_FORMATS.items() if set(extra_names) & set(extras))
+
+
+def _extra_format_name(extra_cache, main_name: str | None, extra_kv_format) -> str | None:
+    """The name of the format the extra cache is read as beside a ``main_name`` cache
+    (``cache_format.extra_format_of``), None where that cannot be told yet."""
+    try:
+        return extra_format_of(extra_cache, get_format(main_name), extra_kv_format).name
+    except Exception:
+        return None
 
 
 def _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
-                   attn_sink, kv_format=None) -> DecodeMetadata:
+                   attn_sink, kv_format=None, extra_kv_format=None) -> DecodeMetadata:
     """Best-effort metadata (fields that cannot be read yet stay None) for error messages."""
     lead = None
     if isinstance(q, torch.Tensor) and q.dim() >= 3:
         lead = math.prod(q.shape[:-2])
     name = _format_name(kv_cache, kv_format)
+    extra_name = _extra_format_name(extra_kv_cache, name, extra_kv_format) if extra_kv_cache is not None else None
     return DecodeMetadata(
         num_tokens=lead,
         num_heads=_dim(q, -2) if isinstance(q, torch.Tensor) and q.dim() >= 3 else None,
@@ -80,12 +92,12 @@ def _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_len
         topk=_dim(indices, -1) if isinstance(indices, torch.Tensor) else None,
         page_block_size=_page_size(kv_cache, name),
         extra_topk=(_dim(extra_indices, -1) if isinstance(extra_indices, torch.Tensor) else 0),
-        extra_page_block_size=(_page_size(extra_kv_cache, _extra_format(name)) if extra_kv_cache is not None
-                               else None),
+        extra_page_block_size=(_page_size(extra_kv_cache, extra_name) if extra_kv_cache is not None else None),
         has_topk_length=topk_length is not None,
         has_extra_topk_length=extra_topk_length is not None,
         has_sink=attn_sink is not None,
         kv_format=name,
+        extra_kv_format=extra_name if extra_name != name else None,
     )
 
 
@@ -137,24 +149,25 @@ class _Checker:
             self.fail(str(err))
         return view
 
-    def extra_cache(self, cache, main: KvFormat, device: torch.device) -> CacheView:
-        """The extra cache, read in the format a model pairs with ``main`` (``EXTRA_FORMATS``):
-        any other combination, and an extra cache for a format no model pairs with one, is
-        refused (the kernels read both caches as ``main``'s format)."""
+    def extra_cache(self, cache, main: KvFormat, device: torch.device, extra_kv_format: str | None) -> CacheView:
+        """The extra cache, in ``extra_kv_format`` or the format ``cache_format.extra_format_of``
+        reads it as: only a combination a model uses (``EXTRA_FORMATS``); any other, and an
+        extra cache beside a format no model pairs with one, is refused."""
         allowed = EXTRA_FORMATS.get(main.name, ())
         if not allowed:
             served = ", ".join(f"{m} + {e}" for m, extras in EXTRA_FORMATS.items() for e in extras)
             self.fail(f"an extra_kv_cache is not served with {main.name} caches: no model combines a {main.name} "
                       f"main cache with an extra cache (main + extra served: {served})")
-        by_width = _format_name(cache, None)  # what the extra cache's own width says, where it says one
-        if by_width is not None and by_width not in allowed:
-            self.fail(f"extra_kv_cache of shape {list(cache.shape)} has {by_width} rows: a {main.name} main cache "
-                      f"combines only with an extra cache of {list(allowed)}")
-        view = self.cache(cache, "extra_kv_cache", device, _extra_format(main.name))
-        if view.fmt.name not in allowed:
-            self.fail(f"extra_kv_cache reads as {view.fmt.name}: a {main.name} main cache combines only with an "
-                      f"extra cache of {list(allowed)}")
-        return view
+        if not isinstance(cache, torch.Tensor):
+            self.fail(f"extra_kv_cache must be a torch.Tensor, got {type(cache).__name__}")
+        try:
+            fmt = extra_format_of(cache, main, extra_kv_format)
+        except CacheLayoutError as err:
+            self.fail(f"extra_kv_cache: {err}")
+        if fmt.name not in allowed:
+            self.fail(f"extra_kv_cache reads as {fmt.name}: a {main.name} main cache combines only with an "
+                      f"extra cache of {list(allowed)} (extra_kv_format= names it)")
+        return self.cache(cache, "extra_kv_cache", device, fmt.name)
 
 
 def _qk_width(fmt: KvFormat) -> str:
@@ -243,23 +256,34 @@ class ValidatedCall:
 
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                   extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
-                  kv_format=None, for_plan=False, _target=None) -> ValidatedCall:
+                  kv_format=None, extra_kv_format=None, for_plan=False, _target=None) -> ValidatedCall:
     """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput.
 
     ``kv_format``: the cache format's name (``dispatch.kv_formats.FORMATS``), or None to take
-    it from the cache's last dimension where only one format has that width. ``for_plan``: the
+    it from the cache's last dimension where only one format has that width;
+    ``extra_kv_format``: the extra cache's (None: ``cache_format.extra_format_of``). ``for_plan``: the
     call is to be planned, which needs at least one token. ``_target``: a testing aid: (arch,
     SM count, shared memory per SM) to plan for, instead of those of the inputs' CUDA device,
     so that planning can be checked on CPU tensors (device index -1)."""
     md = _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
-                        attn_sink, kv_format)
+                        attn_sink, kv_format, extra_kv_format)
     check = _Checker(md)
 
     # the main cache first: its format says what q, out and the extra cache must be
     if not isinstance(q, torch.Tensor):
         check.fail(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if kv_format is None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
+        widths = formats_of_width(kv_cache.shape[-1])  # rows only an extra cache has: say so at once
+        if widths and set(widths) <= set(EXTRA_ONLY_FORMATS):
+            check.fail(f"{kv_cache.shape[-1]}-byte rows are those of {widths}, read only as an extra (compressed) "
+                       f"cache: pass it as extra_kv_cache beside a main cache of {_mains_of(*widths)}")
     main = check.cache(kv_cache, "kv_cache", q.device, kv_format)
     fmt = main.fmt
+    if fmt.name in EXTRA_ONLY_FORMATS:
+        check.fail(f"{fmt.name} is read only as an extra (compressed) cache: pass it as extra_kv_cache beside a "
+                   f"main cache of {_mains_of(fmt.name)}")
+    if extra_kv_format is not None and extra_kv_cache is None:
+        check.fail("extra_kv_format was given without extra_kv_cache")
 
     # q: [T, H, d_qk] or [B, S, H, d_qk]
     if q.dim() not in (3, 4):
@@ -289,7 +313,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         check.fail("extra_topk_length was given without extra_kv_cache / extra_indices")
     extra, extra_idx = main, None
     if has_extra:
-        extra = check.extra_cache(extra_kv_cache, fmt, device)
+        extra = check.extra_cache(extra_kv_cache, fmt, device, extra_kv_format)
         extra_idx = _indices(extra_indices, "extra_indices", lead, num_tokens, device, check, allow_empty=True)
     if topk_length is not None:
         _lengths(topk_length, "topk_length", num_tokens, lead, device, check)
@@ -321,8 +345,10 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
     if precision is not None and precision not in PRECISIONS:
         check.fail(f"precision must be one of {PRECISIONS} or None (the default), got {precision!r}")
-    try:
-        check_format_precision(precision, fmt.name)  # before the device: a format's paths hold everywhere
+    try:  # before the device: a format's paths hold everywhere
+        check_format_precision(precision, fmt.name)
+        if extra is not main:
+            check_format_precision(precision, extra.fmt.name)
     except ValueError as e:
         check.fail(str(e))
     if _target is not None:
@@ -358,7 +384,8 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         main=main, extra=extra, strides=strides, sm_scale=float(sm_scale), device_index=device_index, arch=arch,
         num_sms=num_sms, smem_per_sm=smem_per_sm, precision=precision,
         launch_metadata=dataclasses.replace(md, has_extra_topk_length=extra_lens is not None and extra_topk > 0,
-                                            kv_format=fmt.name),
+                                            kv_format=fmt.name,
+                                            extra_kv_format=extra.fmt.name if extra.fmt is not fmt else None),
     )
 
 
@@ -378,7 +405,7 @@ def clear_plan_cache() -> None:
 
 def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
                            extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
-                           overrides=None, kv_format=None):
+                           overrides=None, kv_format=None, extra_kv_format=None):
     """Validate one call's inputs and return a ``DecodePlan`` for tensors laid out like them.
 
     Hold the plan for a shape bucket and call ``plan.run(q, kv_cache, indices, ..., out=,
@@ -395,7 +422,7 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
     call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                          extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,
-                         kv_format=kv_format, for_plan=True)
+                         kv_format=kv_format, extra_kv_format=extra_kv_format, for_plan=True)
     try:
         return DecodePlan(call, overrides)
     except ValueError as err:  # an override no kernel has
@@ -418,27 +445,33 @@ def sparse_mla_decode(
     lse_convention: str = "natural",
     precision: str | None = None,
     kv_format: str | None = None,
+    extra_kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA decode over a paged FP8 cache (``dispatch.kv_formats.FORMATS``: DeepSeek-V4's
-    MODEL1, DeepSeek-V3.2 / GLM-5's 656-byte rows, GLM-5.3's rope-free rows).
+    """Sparse MLA decode over a paged FP8 or NVFP4 cache (``dispatch.kv_formats.FORMATS``:
+    DeepSeek-V4's MODEL1 FP8 and NVFP4 records, DeepSeek-V4.1's 528- and 288-byte records,
+    DeepSeek-V3.2 / GLM-5's 656-byte rows, GLM-5.3's rope-free rows).
 
     Args:
         q: ``[T, H, d_qk]`` (or ``[B, S, H, d_qk]``) bf16 queries, the format's nope dims then
-            its rope dims (MODEL1: 448 + 64; V3.2: 512 + 64; GLM-5.3: 512).
-        kv_cache: the FP8 cache, uint8 or float8_e4m3fn, as ``[num_blocks, P, 1, W]``,
-            ``[num_blocks, 1, P, W]`` or ``[num_blocks, P*W]`` (W: 584 for MODEL1, 656 for
-            V3.2, 528 or 656 for GLM-5.3); any block stride that is a multiple of 16 bytes and
-            holds the block.
+            its rope dims (MODEL1: 448 + 64; V3.2: 512 + 64; V4.1, GLM-5.3: 512).
+        kv_cache: the cache, uint8 or float8_e4m3fn, as ``[num_blocks, P, 1, W]``,
+            ``[num_blocks, 1, P, W]`` or ``[num_blocks, P*W]`` (W: 584 for MODEL1, 384 for its
+            NVFP4 record, 528 for V4.1, 656 for V3.2, 528 or 656 for GLM-5.3); any block stride
+            that is a multiple of 16 bytes and holds the block.
         indices: ``[T, topk]`` (or ``[T, 1, topk]``, ``[B, S, topk]``) int32 cache slots,
-            slot = block * P + offset. -1, and any slot outside the cache, is ignored.
+            slot = block * P + offset (the inline V4.1 records: a row of the whole cache,
+            block * (block stride / row stride) + offset, as FlashInfer addresses them). -1,
+            and any slot outside the cache, is ignored.
         sm_scale: softmax scale, default the format's ``d_qk ** -0.5``.
         topk_length: optional ``[T]`` int32; only the first ``topk_length[t]`` entries count
             (negative counts as 0, past topk as topk).
         attn_sink: optional ``[H]`` float32 sink logits.
         extra_kv_cache, extra_indices, extra_topk_length: an optional second (compressed)
             cache with its own page size and list; main and extra entries form ONE softmax.
-            Only where a model combines two caches (``kv_format.EXTRA_FORMATS``: MODEL1
-            with MODEL1).
+            Only where a model combines two caches (``kv_format.EXTRA_FORMATS``: DeepSeek-V4's
+            FP8 and NVFP4 records, either for either; DeepSeek-V4.1's FP8 record with its FP8
+            or NVFP4 record of the same scale placement). Two formats: a partial kernel per
+            cache, then the merge.
         out, lse: optional outputs, written in place.
         lse_convention: ``"natural"`` (the default, below), ``"log2_with_sink"``
             (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's) or ``"natural_with_sink"``
@@ -449,8 +482,11 @@ def sparse_mla_decode(
             block-scaled MMA; sm_120a / sm_121a and MODEL1's UE8M0 scales only).
             ``docs/design.md``, "Precision".
         kv_format: the cache format's name, or None (the default) for the one the cache's
-            last dimension names: 584 is MODEL1's, 656 V3.2's; a width two formats may have
-            (528) is refused naming the candidates, so GLM-5.3 caches name their format.
+            last dimension names: 584 is MODEL1's, 384 its NVFP4 record's, 656 V3.2's; a width
+            several formats have (528: GLM-5.3 and V4.1) is refused naming the candidates.
+        extra_kv_format: the extra cache's format's name, or None: the main cache's where the
+            extra cache's width is one of its views', else the one its width names, else the
+            one paired format its width fits (``cache_format.extra_format_of``).
 
     Returns:
         ``(out, lse)``: ``out`` bf16 ``[T, H, d_v]`` (d_v = 512 for every format), ``lse``
@@ -467,12 +503,13 @@ def sparse_mla_decode(
         cannot serve; the message names the call's shape and what was expected.
     """
     return one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
-                           extra_topk_length, out, lse, lse_convention, precision, kv_format)
+                           extra_topk_length, out, lse, lse_convention, precision, kv_format,
+                           extra_kv_format=extra_kv_format)
 
 
 def one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
                     extra_topk_length, out, lse, lse_convention, precision, kv_format, keep_lse=True,
-                    caller_tag=None, caller_check=None):
+                    caller_tag=None, caller_check=None, extra_kv_format=None):
     """``sparse_mla_decode``, its arguments positional (what the adapters call).
 
     ``keep_lse=False`` (an adapter that returns no lse, with ``lse=None``): the kernels write
@@ -486,7 +523,7 @@ def one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extr
     given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
              extra_topk_length)  # DecodePlan.run's tensor order
     try:
-        key = layout_key(given, kv_format, precision, caller_tag)
+        key = layout_key(given, kv_format, extra_kv_format, precision, caller_tag)
         entry = ONE_SHOT_PLANS.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, strideless, unhashable: validate_call says
         key = entry = None
@@ -507,11 +544,12 @@ def one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extr
     return _validated_one_shot(key, entry, q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length,
                                attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                                extra_topk_length=extra_topk_length, out=out, lse=lse, lse_convention=lse_convention,
-                               precision=precision, kv_format=kv_format)
+                               precision=precision, kv_format=kv_format, extra_kv_format=extra_kv_format)
 
 
 def _validated_one_shot(key, entry, q, kv_cache, indices, *, sm_scale, topk_length, attn_sink, extra_kv_cache,
-                        extra_indices, extra_topk_length, out, lse, lse_convention, precision, kv_format):
+                        extra_indices, extra_topk_length, out, lse, lse_convention, precision, kv_format,
+                        extra_kv_format):
     """A one-shot call validated in full: its layout is not in the plan cache (``entry`` None),
     or the cached plan declined its addresses or scale (which this refuses). Plans and caches
     the plan under ``key`` (None: not cacheable), then launches."""
@@ -521,11 +559,12 @@ def _validated_one_shot(key, entry, q, kv_cache, indices, *, sm_scale, topk_leng
         check_convention(lse_convention)
     except ValueError as err:
         raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
-                                                extra_topk_length, attn_sink, kv_format), str(err)) from None
+                                                extra_topk_length, attn_sink, kv_format, extra_kv_format),
+                                str(err)) from None
     call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                          extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,
-                         kv_format=kv_format)
+                         kv_format=kv_format, extra_kv_format=extra_kv_format)
     if call.num_tokens == 0:
         return call.out, call.lse
     if entry is None:

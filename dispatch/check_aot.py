@@ -66,7 +66,7 @@ def serve_registry(aot_dir: str | None) -> int:
     import torch
 
     from cute_kernels.arch import arch_for_capability
-    from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, get_format
+    from cute_kernels.sparse_mla_decode.kv_format import get_format
 
     from . import loader, sparse_mla_decode
     from .registry import DEPLOYMENT_SHAPES
@@ -81,17 +81,19 @@ def serve_registry(aot_dir: str | None) -> int:
         loader.set_aot_dir(aot_dir)
     loader.set_require_aot(True)  # any compile would raise MissingAotVariant
     gen = torch.Generator().manual_seed(0)
-    # (format, page) of every cache the shapes read: the main caches, and the extra caches in
-    # the format their main format pairs with
+    def extra_format(shape):  # the extra cache's format: the shape's, or the main's
+        return shape.extra_kv_format or shape.kv_format
+
+    # (format, page) of every cache the shapes read: the main caches and the extra caches
     needed = ({(s.kv_format, s.page_block_size) for s in DEPLOYMENT_SHAPES} |
-              {(EXTRA_FORMATS[s.kv_format][0], s.extra_page_block_size) for s in DEPLOYMENT_SHAPES if s.extra_topk})
+              {(extra_format(s), s.extra_page_block_size) for s in DEPLOYMENT_SHAPES if s.extra_topk})
     caches = {(f, p): make_cache(max(16384 // p, 4), p, device="cuda", kv_format=f, gen=gen) for f, p in sorted(needed)}
     first_call, calls, checks, worst, used, failures = None, 0, 0, 0.0, set(), []
     for precision in precisions_for(arch):
         flags = itertools.cycle(itertools.product((False, True), repeat=3))
         for i, shape in enumerate(DEPLOYMENT_SHAPES):
             has_len, has_extra_len, has_sink = next(flags)  # the same options at one split and at several
-            if precision not in format_precisions(arch, shape.kv_format):
+            if any(precision not in format_precisions(arch, f) for f in (shape.kv_format, extra_format(shape))):
                 continue
             cache = caches[shape.kv_format, shape.page_block_size]
             for T in (1, 300):
@@ -104,9 +106,10 @@ def serve_registry(aot_dir: str | None) -> int:
                 if has_sink:
                     kw["attn_sink"] = torch.randn(shape.num_heads, device="cuda")
                 if shape.extra_topk:
-                    extra = caches[EXTRA_FORMATS[shape.kv_format][0], shape.extra_page_block_size]
+                    extra = caches[extra_format(shape), shape.extra_page_block_size]
                     e_slots = extra.shape[0] * shape.extra_page_block_size
                     kw["extra_kv_cache"] = extra
+                    kw["extra_kv_format"] = extra_format(shape)
                     kw["extra_indices"] = torch.randint(-1, e_slots, (T, shape.extra_topk), device="cuda",
                                                         dtype=torch.int32)
                     if has_extra_len:

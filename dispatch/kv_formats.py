@@ -10,6 +10,10 @@ kv_format=NAME)`` reads a cache of that format:
 | ``model1_nvfp4`` | DeepSeek-V4 NVFP4 | 384 | 512 | 512 |
 | ``v32_fp8`` | DeepSeek-V3.2, GLM-5.x | 656 | 576 | 512 |
 | ``glm_nope_fp8`` | GLM-5.3 | 528 (rows 528 or 656 apart) | 512 | 512 |
+| ``v41_fp8`` | DeepSeek-V4.1 (footer scales) | 528 | 512 | 512 |
+| ``v41_fp8_inline`` | DeepSeek-V4.1 (inline scales, flat-row indices) | 528 | 512 | 512 |
+| ``v41_nvfp4`` | DeepSeek-V4.1 NVFP4, extra cache only (footer scales) | 288 | 512 | 512 |
+| ``v41_nvfp4_inline`` | DeepSeek-V4.1 NVFP4, extra cache only (inline scales, flat-row indices) | 288 | 512 | 512 |
 
 ``pack`` quantizes a latent into a cache view the API accepts, as a named serving engine's
 writer does (``writers``); ``unpack`` dequantizes a cache back. Both are plain torch and run
@@ -42,8 +46,9 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
     """Quantize ``latent`` into a ``kv_format`` cache: a uint8 view ``[num_blocks, P, 1, W]``
     (NHD) that ``sparse_mla_decode(..., kv_format=kv_format)`` reads, on the latent's device.
 
-    ``latent``: floating point, ``[num_tokens, d_qk]`` (token s goes to slot s) or
-    ``[num_blocks, P, d_qk]``. A ``[num_tokens, d_qk]`` latent is padded with zero tokens to
+    ``latent``: floating point, ``[num_tokens, d_qk]`` (token s goes to slot s: block s // P,
+    row s % P; for a flat-row format with a padded ``block_stride`` its index is then
+    (s // P) * R + s % P, R = block_stride / row_stride) or ``[num_blocks, P, d_qk]``. A ``[num_tokens, d_qk]`` latent is padded with zero tokens to
     whole blocks of ``page_block_size`` (``ceil(num_tokens / P)`` blocks): the padding slots
     hold a zero latent as the writer quantizes it (a writer without a scale floor may leave an
     all-zero group NaN, as it does in a pool); no slot below num_tokens is affected. A 3-D
@@ -78,6 +83,7 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
 
 def unpack(cache: torch.Tensor, kv_format: str | None = None) -> torch.Tensor:
     """Dequantize a whole cache to float32 ``[num_blocks, P, d_qk]`` (``reshape(-1, d_qk)``:
-    slot order). ``kv_format``: the format's name, or None for the one the cache's width
+    slot order; block b's token t is index b * R + t of a flat-row format, R =
+    ``CacheView.index_page``). ``kv_format``: the format's name, or None for the one the cache's width
     names. Raises ``CacheLayoutError`` (a ValueError) for a view that is not such a cache."""
     return unpack_cache(cache, kv_format)

@@ -11,7 +11,7 @@ would mislead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 
@@ -23,6 +23,8 @@ class DecodeMetadata:
     """What a decode call is, as far as kernels and errors care. Unknown fields are None.
 
     kv_format: the cache format's name (``kv_format.FORMATS``), None where it is not known.
+    extra_kv_format: the extra cache's format where it is another than ``kv_format`` (the call
+    then runs a partial kernel per list: ``selection.select_kernels``), else None.
     d_qk: the QK width of the call's q (what it was given, which a refusal may then compare
     with the format's)."""
 
@@ -37,6 +39,21 @@ class DecodeMetadata:
     has_extra_topk_length: bool = False
     has_sink: bool = False
     kv_format: str | None = None
+    extra_kv_format: str | None = None
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the two lists are read in two formats (an extra list of another format)."""
+        return self.extra_kv_format is not None and self.extra_kv_format != self.kv_format and bool(self.extra_topk)
+
+    def list_calls(self) -> tuple["DecodeMetadata", "DecodeMetadata"]:
+        """A mixed call as two calls of one format each: the main list alone, and the extra
+        list as the main list of a call of its own format (its lengths, page, no extra list)."""
+        main = replace(self, extra_topk=0, extra_page_block_size=None, has_extra_topk_length=False,
+                       extra_kv_format=None)
+        extra = replace(main, topk=self.extra_topk, page_block_size=self.extra_page_block_size,
+                        has_topk_length=self.has_extra_topk_length, kv_format=self.extra_kv_format)
+        return main, extra
 
     @property
     def model_type(self) -> str:
@@ -55,6 +72,8 @@ class DecodeMetadata:
         )
         if self.extra_page_block_size is not None:
             text += f", extra_page_block_size={self.extra_page_block_size}"
+        if self.extra_kv_format is not None and self.extra_kv_format != self.kv_format:
+            text += f", extra_kv_format={self.extra_kv_format}"
         return text
 
 

@@ -27,6 +27,7 @@ import torch
 from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
 from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
+from cute_kernels.sparse_mla_decode.kv_format import D_V
 
 from . import loader
 from .selection import PlanOverrides, select_kernels
@@ -109,15 +110,18 @@ class DecodePlan:
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
         self.kv_format = call.fmt.name
+        self.extra_kv_format = call.extra.fmt.name  # the main cache's format where there is no extra cache
         self.default_sm_scale = call.fmt.default_sm_scale
         self.split, self.variants = selection.split, selection.variants
+        self.extra_split = selection.extra.split if selection.extra is not None else None
+        self.num_splits = selection.num_splits
         for v in self.variants:
             v.config.check()
         if (overrides or PlanOverrides()) == PlanOverrides():  # the dispatch's own choice: one the AOT build has
             check_in_variant_space(self.variants, call.arch, f"{self.split} for {call.launch_metadata}")
         self.final = len(self.variants) == 1
-        T, S, H = call.num_tokens, self.split.num_splits, call.num_heads
-        self._o_part_bytes = 0 if self.final else T * S * H * call.fmt.d_v * 4
+        T, S, H = call.num_tokens, self.num_splits, call.num_heads
+        self._o_part_bytes = 0 if self.final else T * S * H * D_V * 4
         lse_part_bytes = 0 if self.final else T * S * H * 4
         self.scratch_bytes = self._o_part_bytes + lse_part_bytes
         if self.scratch_bytes:
@@ -127,8 +131,12 @@ class DecodePlan:
         self._inputs = tuple((name, layout_signature(getattr(call, name))) for name, _ in RUN_TENSORS)
         present = {key for (_, key), (_, sig) in zip(RUN_TENSORS, self._inputs) if sig is not None}
         values = self._argument_values(call, present)
-        schemas = (PARTIAL_ARGS, MERGE_ARGS)[:len(self.variants)]
-        self._args = [[values[a.name] for a in schema] for schema in schemas]
+        if self.extra_split is None:  # the partial kernel (both lists), then the merge where split
+            schemas, launches = (PARTIAL_ARGS, MERGE_ARGS)[:len(self.variants)], [values, values]
+        else:  # two formats: a partial kernel per list, then the merge
+            schemas = (PARTIAL_ARGS, PARTIAL_ARGS, MERGE_ARGS)
+            launches = [self._main_list_values(values), self._extra_list_values(values), values]
+        self._args = [[vals[a.name] for a in schema] for schema, vals in zip(schemas, launches)]
         # per run() tensor, the byte alignment the kernels assume of its address (the schemas'
         # pointer arguments it is bound to), checked on every run and bind
         align = {}
@@ -175,24 +183,42 @@ class DecodePlan:
         return {
             "q": Bind("q"), "q_stride_t": st["q_t"], "q_stride_h": st["q_h"],
             "num_tokens": self.num_tokens, "num_heads": self.num_heads,
-            "main_cache": Bind("main"), "main_page": call.main.page_block_size,
-            "main_page_magic": page_division_magic(call.main.page_block_size), "main_block_stride": st["main_block"],
+            "main_cache": Bind("main"), "main_page": call.main.index_page,
+            "main_page_magic": page_division_magic(call.main.index_page), "main_block_stride": st["main_block"],
             "main_row_stride": st["main_row"], "main_num_slots": st["main_slots"], "main_idx": Bind("indices"),
             "main_idx_stride": st["idx_t"],
             "main_topk": self.topk, "main_len": optional("topk_length"),
-            "extra_cache": optional("extra"), "extra_page": call.extra.page_block_size,
-            "extra_page_magic": page_division_magic(call.extra.page_block_size),
+            "extra_cache": optional("extra"), "extra_page": call.extra.index_page,
+            "extra_page_magic": page_division_magic(call.extra.index_page),
             "extra_block_stride": st["extra_block"], "extra_row_stride": st["extra_row"],
             "extra_num_slots": st["extra_slots"],
             "extra_idx": optional("extra_indices"), "extra_idx_stride": st["extra_idx_t"],
             "extra_topk": self.extra_topk, "extra_len": optional("extra_topk_length"),
             "sm_scale_log2": Bind("sm_scale_log2"), "chunks_per_split": self.split.chunks_per_split,
-            "num_splits": self.split.num_splits,
+            "num_splits": self.num_splits, "launch_splits": self.split.num_splits,
             "o_part": Bind("scratch") if split else 0, "lse_part": Bind("scratch", self._o_part_bytes) if split else 0,
             "out": Bind("out"), "out_stride_t": st["out_t"], "out_stride_h": st["out_h"],
             "lse": Bind("lse"), "lse_stride_t": st["lse_t"], "lse_stride_h": st["lse_h"],
             "attn_sink": optional("attn_sink"), "stream": Bind("stream"),
         }
+
+    _LIST_ARGS = ("cache", "page", "page_magic", "block_stride", "row_stride", "num_slots", "idx", "idx_stride", "topk",
+                  "len")
+
+    @staticmethod
+    def _main_list_values(values: dict) -> dict:
+        """A two-format call's first launch: the main list alone (no extra list)."""
+        return {**values, "extra_topk": 0}
+
+    def _extra_list_values(self, values: dict) -> dict:
+        """A two-format call's second launch: the extra list as the kernel's main list, its
+        splits after the main list's in the partial outputs (o_part and lse_part [T, splits,
+        H, ..] from the main list's splits' end on: split s is the outputs' main splits + s)."""
+        moved = {f"main_{name}": values[f"extra_{name}"] for name in self._LIST_ARGS}
+        first = self.split.num_splits * self.num_heads  # (split, head) rows before this launch's
+        return {**values, **moved, "extra_topk": 0, "chunks_per_split": self.extra_split.chunks_per_split,
+                "launch_splits": self.extra_split.num_splits,
+                "o_part": Bind("scratch", first * D_V * 4), "lse_part": Bind("scratch", self._o_part_bytes + first * 4)}
 
     # ------------------------------------------------------------------ run
     def new_scratch(self) -> torch.Tensor | None:

@@ -6,7 +6,11 @@ This is the single source of truth for what the offline AOT build compiles
 
 - DeepSeek-V4 (MODEL1 cache): heads per GPU for TP 1 to 16 of V4-Flash, V4-Pro and
   V4.1-Flash, the main and extra top-k widths and page sizes serving engines use,
-  speculative-draft widths; V4-Flash and V4-Pro again on the NVFP4 cache (``model1_nvfp4``);
+  speculative-draft widths; V4-Flash and V4-Pro again on the NVFP4 cache (``model1_nvfp4``),
+  and with either record for the main cache and the other for the extra cache;
+- DeepSeek-V4.1-Flash on its own records: the 528-byte FP8 main cache (footer or inline
+  scales) with an extra cache of the same record or of the 288-byte NVFP4 record (the same
+  scale placement);
 - DeepSeek-V3.2 and GLM-5.x (the 656-byte V3.2 rows): their heads per GPU, the indexer's
   top-k of 2048, page 64;
 - GLM-5.3 (528-byte rope-free rows): 64, 32 and 16 heads (TP 1, 2, 4), top-k 2176, page 64
@@ -42,6 +46,7 @@ class DeploymentShape:
     extra_topk: int = 0
     extra_page_block_size: int | None = None
     kv_format: str = DEFAULT_FORMAT  # the cache format (``kv_format.FORMATS``)
+    extra_kv_format: str | None = None  # the extra cache's, where it is another (``EXTRA_FORMATS``)
 
 
 # the inline-scale formats' models: (model, format, heads per GPU, topk, page)
@@ -55,21 +60,26 @@ _INDEXER_MODELS = (
 def _shapes() -> list[DeploymentShape]:
     out = []
     heads = {"V4-Flash": (64, 32, 16, 8, 4), "V4-Pro": (128, 64, 32, 16, 8), "V4.1-Flash": (64, 32, 16, 8)}
-    # DeepSeek-V4 in either of its cache formats (FP8 or NVFP4, main and extra alike); V4.1 as
-    # vLLM keeps it on SM120, in V4's FP8 record
-    models = [(model, hs, fmt) for model, hs in heads.items()
-              for fmt in (("model1_fp8", "model1_nvfp4") if model != "V4.1-Flash" else ("model1_fp8",))]
-    for model, hs, fmt in models:
-        for h in hs:
-            mains = (128, 192, 256, 512) if model != "V4.1-Flash" else (1152,)
-            for topk, page in itertools.product(mains, (64, 256)):
-                out.append(DeploymentShape(model, h, topk, page, kv_format=fmt))
+    # DeepSeek-V4 in either of its cache formats (FP8 or NVFP4, main and extra, in any pairing);
+    # V4.1 as vLLM keeps it on SM120, in V4's FP8 record, and in its own records (FlashInfer's
+    # and b12x's writers: FP8 main, FP8 or NVFP4 extra, footer or inline scales)
+    v4_pairs = (("model1_fp8", None), ("model1_nvfp4", None), ("model1_fp8", "model1_nvfp4"),
+                ("model1_nvfp4", "model1_fp8"))
+    v41_pairs = (("model1_fp8", None), ("v41_fp8", None), ("v41_fp8", "v41_nvfp4"), ("v41_fp8_inline", None),
+                 ("v41_fp8_inline", "v41_nvfp4_inline"))
+    for model, hs in heads.items():
+        for (fmt, extra_fmt), h in itertools.product(v4_pairs if model != "V4.1-Flash" else v41_pairs, hs):
+            main_topk = 128 if model != "V4.1-Flash" else 1152
+            if extra_fmt is None:  # the main cache alone, where its format pairs with itself
+                for topk, page in itertools.product((128, 192, 256, 512) if model != "V4.1-Flash" else (1152,),
+                                                    (64, 256)):
+                    out.append(DeploymentShape(model, h, topk, page, kv_format=fmt))
             extras = {"V4-Flash": ((512, 64), (1024, 2), (8192, 2)),
                       "V4-Pro": ((1024, 64), (1024, 2), (8192, 2)),
                       "V4.1-Flash": ((512, 32), (512, 128), (512, 256))}[model]
             for extra_topk, extra_page in extras:
-                out.append(DeploymentShape(model, h, 128 if model != "V4.1-Flash" else 1152, 64,
-                                           extra_topk, extra_page, kv_format=fmt))
+                out.append(DeploymentShape(model, h, main_topk, 64, extra_topk, extra_page, kv_format=fmt,
+                                           extra_kv_format=extra_fmt))
     for model, kv_format, hs, topk, page in _INDEXER_MODELS:
         out += [DeploymentShape(model, h, topk, page, kv_format=kv_format) for h in hs]
     return out
@@ -94,13 +104,16 @@ def deployment_calls(precision: str, arch: str):
     of ``DEPLOYMENT_NUM_TOKENS`` and ``DEPLOYMENT_SM_COUNTS``."""
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
         has_len, has_extra_len, has_sink = flags
-        if (has_extra_len and shape.extra_topk == 0) or precision not in format_precisions(arch, shape.kv_format):
+        formats = (shape.kv_format,) + ((shape.extra_kv_format,) if shape.extra_kv_format else ())
+        if (has_extra_len and shape.extra_topk == 0) or any(precision not in format_precisions(arch, f)
+                                                             for f in formats):
             continue
         for T, sms in itertools.product(DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS):
             md = DecodeMetadata(num_tokens=T, num_heads=shape.num_heads, d_qk=get_format(shape.kv_format).d_qk,
                                 topk=shape.topk, page_block_size=shape.page_block_size, extra_topk=shape.extra_topk,
                                 extra_page_block_size=shape.extra_page_block_size, has_topk_length=has_len,
-                                has_extra_topk_length=has_extra_len, has_sink=has_sink, kv_format=shape.kv_format)
+                                has_extra_topk_length=has_extra_len, has_sink=has_sink, kv_format=shape.kv_format,
+                                extra_kv_format=shape.extra_kv_format)
             yield md, sms
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
+from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, MergeConfig, PartialConfig, merge_batch_for
 
 from .metadata import DecodeMetadata
 from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
@@ -65,16 +65,22 @@ class KernelSelection:
     head_groups: 16-head groups per CTA; split: how each token's chunks are split
     (``splits.SplitPlan``); two_ctas_per_sm: whether the partial kernel is held to 128
     registers (two CTAs share an SM); variants: the kernels to launch, in order (the partial
-    kernel, then the merge kernel where there is more than one split)."""
+    kernel, then the merge kernel where there is more than one split). A call whose extra
+    list is of another format (``DecodeMetadata.mixed``): those fields are the main list's
+    launch, ``extra`` the extra list's (its own head groups, split and register bound, as a
+    call of that format), and the variants are the two partial kernels, then the merge of
+    all their splits (the main list's first)."""
 
     head_groups: int
     split: SplitPlan
     two_ctas_per_sm: bool
     variants: tuple[KernelVariant, ...]
+    extra: "KernelSelection | None" = None
 
     @property
     def num_splits(self) -> int:
-        return self.split.num_splits
+        """The splits of the call's partial outputs (every launch's)."""
+        return self.split.num_splits + (self.extra.num_splits if self.extra is not None else 0)
 
 
 def select_kernels(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int, precision: str,
@@ -88,21 +94,49 @@ def select_kernels(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int
     3. the register bound (``splits.two_ctas_per_sm``: the planned grid puts two CTAs on an SM);
     4. the variants (``variants.variants_for``).
 
+    A call whose extra list is of another format (``DecodeMetadata.mixed``): each list as a
+    call of its own format (``DecodeMetadata.list_calls``), both in split mode, the extra
+    list's splits at most what the main list's leave of ``splits.MAX_SPLITS``, then one merge
+    of all the splits. (One kernel reads one format: a chunk loop that switched formats would
+    hold both formats' code and registers; the cost is one more launch.)
+
     ``overrides`` (checked first: ``PlanOverrides.check``, ValueError) forces any of these:
     the head groups; the raw row stages (which the split plan then sees, and the partial
     variant is built with); the splits (equal chunk ranges, ValueError where they cannot give
-    that count); the register bound. The variants are not checked (``PartialConfig.check``:
-    ``DecodePlan`` does) and, with overrides, need not be in the variant space."""
+    that count; not for a mixed call); the register bound. The variants are not checked
+    (``PartialConfig.check``: ``DecodePlan`` does) and, with overrides, need not be in the
+    variant space."""
     ov = overrides or PlanOverrides()
     ov.check(precision)
     if md.kv_format is None:
         raise ValueError(f"{md.describe()}: the call's kv_format must be known to pick its kernels")
+    if not md.mixed:
+        return _select_one(md, arch, num_sms, smem_per_sm, precision, ov)
+    if ov.num_splits is not None:
+        raise ValueError(f"overrides.num_splits: a call of two cache formats ({md.kv_format} + {md.extra_kv_format}) "
+                         f"splits each list by itself; force splits on a call of one format")
+    main_md, extra_md = md.list_calls()
+    main = _select_one(main_md, arch, num_sms, smem_per_sm, precision, ov, max_splits=MAX_SPLITS - 1,
+                       split_mode=True)
+    extra = _select_one(extra_md, arch, num_sms, smem_per_sm, precision, ov,
+                        max_splits=MAX_SPLITS - main.num_splits, split_mode=True)
+    total = main.num_splits + extra.num_splits
+    merge = KernelVariant(MergeConfig(has_sink=md.has_sink, split_batch=merge_batch_for(total)), arch)
+    return dataclasses.replace(main, variants=(main.variants[0], extra.variants[0], merge), extra=extra)
+
+
+def _select_one(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int, precision: str, ov: PlanOverrides,
+                max_splits: int = MAX_SPLITS, split_mode: bool = False) -> KernelSelection:
+    """``select_kernels`` for a call of one format; ``max_splits``: at most that many splits;
+    ``split_mode``: the partial kernel writes split partials even with one split (a list of a
+    mixed call)."""
     T, H, topk, extra_topk = md.num_tokens, md.num_heads, md.topk, md.extra_topk
     shape = partial_shape_config(H, T, num_sms, precision, topk=topk, extra_topk=extra_topk, smem_per_sm=smem_per_sm,
                                  head_groups=ov.head_groups, kv_format=md.kv_format)
     if ov.num_stages is not None:  # the split plan sees the stages' shared memory too
         shape = dataclasses.replace(shape, num_stages=ov.num_stages)
-    split = plan_splits(T, H, topk, extra_topk, cfg=shape, num_sms=num_sms, smem_per_sm=smem_per_sm)
+    split = plan_splits(T, H, topk, extra_topk, cfg=shape, num_sms=num_sms, smem_per_sm=smem_per_sm,
+                        max_splits=max_splits)
     if ov.num_splits is not None:
         chunks = split.num_chunks
         per_split = -(-chunks // min(ov.num_splits, chunks))
@@ -113,7 +147,7 @@ def select_kernels(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int
     two_per_sm = (two_ctas_per_sm(shape, split, T, H, num_sms, smem_per_sm) if ov.two_ctas_per_sm is None
                   else ov.two_ctas_per_sm)
     variants = variants_for(md, arch, split.num_splits, shape.head_groups, precision=precision,
-                            two_ctas_per_sm=two_per_sm)
+                            two_ctas_per_sm=two_per_sm, split_mode=split_mode)
     if ov.num_stages is not None:
         variants = tuple(dataclasses.replace(v, config=dataclasses.replace(v.config, num_stages=ov.num_stages))
                          if isinstance(v.config, PartialConfig) else v for v in variants)

@@ -77,7 +77,7 @@ def two_ctas_per_sm(cfg: PartialConfig, plan: SplitPlan, num_tokens: int, num_he
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, cfg: PartialConfig,
-                num_sms: int, smem_per_sm: int) -> SplitPlan:
+                num_sms: int, smem_per_sm: int, max_splits: int = MAX_SPLITS) -> SplitPlan:
     """Split each token's chunks so that the grid fills the GPU once: about as many CTAs as
     the SMs hold at once (``resident_ctas_per_sm``), and no more than ``MAX_SPLITS`` splits.
 
@@ -85,7 +85,9 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     with the work on the previous one, and the merge has fewer splits to combine. Where that
     would put two CTAs of at most ``MAX_CHUNKS_TWO_PER_SM`` chunks on an SM, one CTA per SM
     with twice the chunks instead, and where one CTA per SM then leaves only two splits, one
-    split (final mode, no merge kernel). ``docs/tuning.md`` has the measurements."""
+    split (final mode, no merge kernel). ``max_splits``: fewer than ``MAX_SPLITS`` (a list of
+    a call of two formats, whose splits the merge combines with the other list's).
+    ``docs/tuning.md`` has the measurements."""
     block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
     base_ctas = ctas_per_split(num_tokens, num_heads, cfg)
@@ -94,7 +96,7 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
                          f"num_heads={num_heads}")
 
     def split_for(slots: int) -> SplitPlan:
-        wanted = min(max(1, slots // base_ctas), MAX_SPLITS)  # rounded down: never a second wave
+        wanted = min(max(1, slots // base_ctas), max_splits)  # rounded down: never a second wave
         per_split = max(-(-num_chunks // wanted), min(MIN_CHUNKS_PER_SPLIT, num_chunks))
         return SplitPlan(num_chunks, per_split, -(-num_chunks // per_split))
 

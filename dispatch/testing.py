@@ -34,18 +34,22 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
 
     Every byte that holds no data is 0xFF (NaN as e4m3, bf16 and FP32; UE8M0 scale 2**128), so
     that a kernel that reads one produces NaN: the padding between blocks (``block_stride``
-    past the block's bytes), and for an inline format the bytes of a row past its data (a
-    ``row_stride`` wider than the row, GLM-5.3's 528-byte rows in 656-byte pool rows). Blocks
-    in ``poison_blocks`` are 0xFF throughout (NVFP4: e2m1 -6 times an e4m3 NaN scale, NaN).
-    MODEL1's footer pad byte is 0 (as vLLM and FlashInfer write it), and so are the 4 pad bytes
-    of an NVFP4 footer record (its specification). An NVFP4 cache (``model1_nvfp4``) is
-    FlashInfer's writer's: random e2m1 codes of the random latent, E4M3 scale bytes amax / 6 of
-    each 16-dim group (``spread``, ``scale_spread`` widen them over more binades; never NaN
-    but in a poisoned block).
+    past the block's bytes; for a flat-row format, ``KvFormat.flat_rows``, that is the rows
+    a block holds past its P tokens, which indices do name: they read as NaN), and for an
+    inline format the bytes of a row past its data (a ``row_stride`` wider than the row,
+    GLM-5.3's 528-byte rows in 656-byte pool rows). Blocks in ``poison_blocks`` are 0xFF
+    throughout (an e2m1 format: e2m1 -6 times an e4m3 NaN scale, NaN; V4.1 FP8: e4m3 NaN
+    times 2**128). MODEL1's footer pad byte is 0 (as vLLM and FlashInfer write it), and so are
+    the 4 pad bytes of an NVFP4 footer record (its specification). An e2m1 cache
+    (``model1_nvfp4``, ``v41_nvfp4``, ``v41_nvfp4_inline``) is its writer's: random e2m1
+    codes of the random latent, E4M3 scale bytes from amax / 6 of each 16-dim group
+    (``spread``, ``scale_spread`` widen them over more binades; never NaN but in a poisoned
+    block).
 
     ``row_stride``: inline formats only, bytes between a block's rows (a multiple of 16, at
     least the row; default the format's first pitch). ``block_stride``: bytes between blocks
-    (default ``default_block_stride``).
+    (default ``default_block_stride``; a flat-row format's, a whole number of rows). Token t
+    of block b is index b * ``CacheView.index_page`` + t (``make_indices``' ``index_page``).
 
     ``spread``: each token's latent is multiplied by a random power of two in
     [2**-spread, 2**spread], so the tokens' scales differ by up to 2**(2 * spread).
@@ -54,17 +58,18 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
     a writer of arbitrary FP32 scales, "vllm", "sglang" or "b12x") scales that are not powers of two.
 
     ``tiny``: the smallest scales of the format, below what a model writes, and the rope dims
-    0, so that the output is that tiny latent's alone. UE8M0 (MODEL1): every scale byte drawn
-    from 0, 1, 2 (2**-127 .. 2**-125): a kernel that takes byte 0 for 0 rather than 2**-127
-    gets it wrong. FP32: every scale FLT_MIN = 2**-126 (vLLM's floor) times a factor drawn from
-    [1, 4) (a quarter exactly 1): normal FP32 numbers that no narrower float (f16, bf16
-    products of two of them) holds, not powers of two. E4M3 (NVFP4): every scale byte drawn
-    from 1..8, the e4m3 subnormals m * 2**-9 (m = 1..7) and the smallest normal 2**-6: a kernel
-    that flushes subnormal scales to 0 gets it wrong. The codes stay the writer's.
+    0, so that the output is that tiny latent's alone. UE8M0 (MODEL1, V4.1 FP8): every scale
+    byte drawn from 0, 1, 2 (2**-127 .. 2**-125): a kernel that takes byte 0 for 0 rather than
+    2**-127 gets it wrong. FP32: every scale FLT_MIN = 2**-126 (vLLM's floor) times a factor
+    drawn from [1, 4) (a quarter exactly 1): normal FP32 numbers that no narrower float (f16,
+    bf16 products of two of them) holds, not powers of two. E4M3 (NVFP4): every scale byte
+    drawn from 1..8, the e4m3 subnormals m * 2**-9 (m = 1..7) and the smallest normal 2**-6:
+    a kernel that flushes subnormal scales to 0 gets it wrong. The codes stay the writer's.
 
     ``layout``: "nhd" ``[num_blocks, P, 1, W]``, "hnd" ``[num_blocks, 1, P, W]``, "flat"
-    ``[num_blocks, P * W]`` (needs the format's default row pitch), "fp8" (NHD as
-    float8_e4m3fn); W: ``view_width``. The views share one buffer of ``num_blocks`` blocks."""
+    ``[num_blocks, P * W]`` (needs the format's default row pitch; a width that several
+    formats share reads only where ``kv_format`` names the format: ``format_of``), "fp8" (NHD
+    as float8_e4m3fn); W: ``view_width``. The views share one buffer of ``num_blocks`` blocks."""
     fmt = get_format(kv_format)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -99,17 +104,19 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
         rows = buf[:, :page * fmt.row_bytes].view(num_blocks, page, fmt.row_bytes)
     if tiny:
         rows[..., fmt.rope_offset:] = 0
-        if fmt.scale_type in ("ue8m0", "e4m3"):  # one byte per scale, in the footer
-            low, high = (0, 3) if fmt.scale_type == "ue8m0" else (1, 9)
-            footer = buf[:, page * fmt.row_bytes:page * fmt.bytes_per_token].view(num_blocks, page, fmt.footer_bytes)
-            footer[..., :fmt.num_scales] = torch.randint(low, high, (num_blocks, page, fmt.num_scales),
-                                                         generator=gen, dtype=torch.uint8).to(device)
+        if fmt.inline:
+            records = rows[..., fmt.scale_offset:fmt.scale_offset + fmt.scale_bytes]
         else:
-            shape = (num_blocks, page, fmt.num_scales)
+            records = buf[:, page * fmt.row_bytes:page * fmt.bytes_per_token].view(
+                num_blocks, page, fmt.footer_bytes)[..., :fmt.scale_bytes]
+        shape = (num_blocks, page, fmt.num_scales)
+        if fmt.scale_type in ("ue8m0", "e4m3"):  # one byte per scale
+            low, high = (0, 3) if fmt.scale_type == "ue8m0" else (1, 9)
+            records[...] = torch.randint(low, high, shape, generator=gen, dtype=torch.uint8).to(device)
+        else:
             factor = torch.where(torch.rand(shape, generator=gen) < 0.25, 1.0, 1.0 + 3.0 * torch.rand(shape, generator=gen))
             scales = (FLT_MIN * factor).float()
-            rows[..., fmt.scale_offset:fmt.scale_offset + fmt.scale_bytes] = \
-                scales.view(torch.uint8).reshape(num_blocks, page, fmt.scale_bytes).to(device)
+            records[...] = scales.view(torch.uint8).reshape(num_blocks, page, fmt.scale_bytes).to(device)
     if not fmt.inline:
         buf[:, page * fmt.bytes_per_token:] = 0xFF
     for b in poison_blocks:
@@ -124,15 +131,19 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
 
 
 def make_indices(num_tokens: int, topk: int, num_slots: int, *, device, usable_blocks=None, page: int = 1,
-                 invalid_frac: float = 0.0, gen: torch.Generator | None = None) -> torch.Tensor:
-    """Random slots (with duplicates allowed) from ``usable_blocks`` (all by default); a fraction
-    ``invalid_frac`` of entries replaced by -1, -2, INT32_MIN, INT32_MAX or num_slots."""
+                 index_page: int | None = None, invalid_frac: float = 0.0,
+                 gen: torch.Generator | None = None) -> torch.Tensor:
+    """Random slots (with duplicates allowed) from all ``num_slots``, or from the ``page``
+    tokens of each of ``usable_blocks``: token t of block b is index b * ``index_page`` + t
+    (``CacheView.index_page``, default ``page``: it differs for a flat-row format with padded
+    blocks); a fraction ``invalid_frac`` of entries replaced by -1, -2, INT32_MIN, INT32_MAX
+    or num_slots."""
     if usable_blocks is None:
         slots = torch.randint(0, num_slots, (num_tokens, topk), generator=gen, dtype=torch.int64)
     else:
         blocks = torch.tensor(list(usable_blocks), dtype=torch.int64)
         pick = blocks[torch.randint(0, len(blocks), (num_tokens, topk), generator=gen)]
-        slots = pick * page + torch.randint(0, page, (num_tokens, topk), generator=gen)
+        slots = pick * (index_page or page) + torch.randint(0, page, (num_tokens, topk), generator=gen)
     if invalid_frac > 0:
         bad_values = torch.tensor([-1, -2, INT32_MIN, INT32_MAX, num_slots], dtype=torch.int64)
         mask = torch.rand(num_tokens, topk, generator=gen) < invalid_frac

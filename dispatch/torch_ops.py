@@ -27,16 +27,18 @@ def sparse_mla_decode_op(
     extra_topk_length: torch.Tensor | None = None,
     precision: str | None = None,
     kv_format: str | None = None,
+    extra_kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same semantics as ``dispatch.sparse_mla_decode`` (lse: natural log, sink not folded in)."""
     return sparse_mla_decode(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
                              extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                             extra_topk_length=extra_topk_length, precision=precision, kv_format=kv_format)
+                             extra_topk_length=extra_topk_length, precision=precision, kv_format=kv_format,
+                             extra_kv_format=extra_kv_format)
 
 
 @sparse_mla_decode_op.register_fake
 def _(q, kv_cache, indices, sm_scale, topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
-      extra_topk_length=None, precision=None, kv_format=None):
+      extra_topk_length=None, precision=None, kv_format=None, extra_kv_format=None):
     """The outputs' shapes: ``out`` is D_V wide whatever the format (every format's value
     width is ``kv_format.D_V``, so the fake needs no cache to read)."""
     lead = q.shape[:-1]

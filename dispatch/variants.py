@@ -7,8 +7,9 @@ is a runtime argument, so the set of variants is small and closed:
     partial: kv_format (``kv_format.FORMATS``) x precision (``precisions_of(format)`` that
              ``precisions_for(arch)`` has) x head_groups (1 or 2: ``head_groups_for``) x
              has_topk_length x has_extra_topk_length (only for a format a model pairs with an
-             extra cache: ``kv_format.EXTRA_FORMATS``) x (split mode | final mode without
-             sink | final mode with sink), and for an "f16" kernel that can be held to two
+             extra cache of its own format: ``kv_format.EXTRA_FORMATS``) x (split mode |
+             final mode without sink | final mode with sink; split mode alone for a format
+             read only as an extra cache), and for an "f16" kernel that can be held to two
              CTAs on an arch whose SMs hold two of it (MODEL1's on sm_90a), x two_ctas_per_sm
              (the 128-register launch bound: ``splits.two_ctas_per_sm``)
     merge:   has_sink x split_batch (``merge_batch_for(num_splits)``): every format's value
@@ -16,7 +17,9 @@ is a runtime argument, so the set of variants is small and closed:
 
 A call whose work needs one split runs the partial kernel in final mode (it writes out
 and lse itself); otherwise the partial kernel writes per-split partials and the merge
-kernel combines them. ``variant_space(arch)`` enumerates the set;
+kernel combines them. A call whose extra cache is of another format than its main cache
+runs one partial kernel per list, each as a call of its format in split mode, and the merge
+(``selection.select_kernels``). ``variant_space(arch)`` enumerates the set;
 ``variants_for(metadata, arch, num_splits, head_groups, two_ctas_per_sm=...)`` picks from it.
 """
 
@@ -29,7 +32,9 @@ from cute_kernels.arch import BLOCK_SCALED_ARCHS, SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.config import (
     HEAD_GROUPS, PRECISIONS, MergeConfig, PartialConfig, merge_batch_for, precisions_of,
 )
-from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, get_format
+from cute_kernels.sparse_mla_decode.kv_format import (
+    DEFAULT_FORMAT, EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, get_format,
+)
 from cute_kernels.sparse_mla_decode.tuning import (
     DEFAULT_PRECISION, F16_BOUNDED_TWO_GROUPS_CHUNK_COST, F16_BOUNDED_TWO_GROUPS_MIN_FILL,
     F16_BOUNDED_TWO_GROUPS_MIN_SPLIT_CHUNKS, F16_BOUNDED_TWO_GROUPS_SPLIT_COST_CHUNKS, F16_TWO_GROUPS_MIN_BLOCKS,
@@ -161,14 +166,19 @@ def resolve_precision(precision: str | None, arch: str, kv_format: str = DEFAULT
 
 
 def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: int,
-                 precision: str = DEFAULT_PRECISION, *, two_ctas_per_sm: bool = False) -> tuple[KernelVariant, ...]:
-    """The variants to launch, in order, for the call described by ``md`` (its ``kv_format``
-    must be known), split ``num_splits`` ways with ``head_groups`` 16-head groups per CTA
-    (``head_groups_for``), the partial kernel held to two CTAs' registers per SM or not
-    (``splits.two_ctas_per_sm``)."""
+                 precision: str = DEFAULT_PRECISION, *, two_ctas_per_sm: bool = False,
+                 split_mode: bool = False) -> tuple[KernelVariant, ...]:
+    """The variants to launch, in order, for the call of one format described by ``md`` (its
+    ``kv_format`` must be known), split ``num_splits`` ways with ``head_groups`` 16-head groups
+    per CTA (``head_groups_for``), the partial kernel held to two CTAs' registers per SM or not
+    (``splits.two_ctas_per_sm``). ``split_mode``: split partials even for one split (one list
+    of a call of two formats: ``selection.select_kernels``)."""
     if md.kv_format is None:
         raise ValueError(f"{md.describe()}: the call's kv_format must be known to pick its kernels")
-    final = num_splits == 1
+    if md.mixed:
+        raise ValueError(f"{md.describe()}: a call of two formats runs a partial kernel per list "
+                         f"(selection.select_kernels)")
+    final = num_splits == 1 and not split_mode
     partial = PartialConfig(
         kv_format=md.kv_format,
         head_groups=head_groups,
@@ -196,17 +206,19 @@ def format_precisions(arch: str, kv_format: str) -> tuple[str, ...]:
 
 def variant_space(arch: str) -> list[KernelVariant]:
     """Every variant the dispatch can select for ``arch``: per format (MODEL1's first), its
-    partial kernels, then the merge kernels every format shares."""
+    partial kernels (a format read only as an extra cache, ``EXTRA_ONLY_FORMATS``: in split
+    mode, its list the kernel's main list), then the merge kernels every format shares."""
     out = []
     for kv_format in FORMATS:
         two_fit = two_bounded_f16_ctas_fit(SMEM_PER_SM_BY_ARCH[arch], kv_format)
-        extra_lengths = (False, True) if kv_format in EXTRA_FORMATS else (False,)
+        extra_lengths = (False, True) if kv_format in EXTRA_FORMATS.get(kv_format, ()) else (False,)
+        modes = _MODES[:1] if kv_format in EXTRA_ONLY_FORMATS else _MODES
         out += [
             KernelVariant(PartialConfig(kv_format=kv_format, head_groups=g, has_topk_length=a,
                                         has_extra_topk_length=b, final_output=f, has_sink=s, precision=p,
                                         two_ctas_per_sm=two), arch)
             for p, g, a, b, (f, s), two in itertools.product(format_precisions(arch, kv_format), HEAD_GROUPS,
-                                                             (False, True), extra_lengths, _MODES, (False, True))
+                                                             (False, True), extra_lengths, modes, (False, True))
             if not two or (p == "f16" and two_fit)
         ]
     out += [KernelVariant(MergeConfig(has_sink=s, split_batch=b), arch) for s in (False, True) for b in MERGE_BATCHES]

@@ -1,19 +1,23 @@
 """Benchmark sparse-MLA decode on a GPU (``docs/performance.md`` has the method and the results).
 
-    python -m scripts.bench [--kv-format NAME] [--vs-kv-format NAME] [--long-context] [--json out.json]
+    python -m scripts.bench [--kv-format NAME] [--extra-kv-format NAME] [--vs-kv-format NAME] [--long-context]
+                            [--json out.json]
                             [--quick] [--precision P ...] [--tokens 1,64] [--head-groups G] [--stages S]
                             [--no-torch]
 
 ``--kv-format`` (default model1_fp8; ``dispatch.kv_formats.FORMATS``) picks the cache format
-and with it the grid (``grid_for``): MODEL1 runs T {1, 8, 64, 256} x H {16, 64, 128} x topk
-{128, 512, 1024, 128 + 512 extra}, the shapes FlashMLA was measured on; a format without an
+and with it the grid (``grid_for``): a format with an extra cache (DeepSeek-V4's and V4.1's)
+runs T {1, 8, 64, 256} x H {16, 64, 128} x topk {128, 512, 1024, 128 + 512 extra}, the
+shapes FlashMLA was measured on (FlashMLA's times: MODEL1 caches only); a format without an
 extra cache runs T {1, 8, 64, 256} x H {16, 64, 128} x the top-k its models use in the
 deployment registry (``dispatch.registry``: 2048 for v32_fp8, 2176 for glm_nope_fp8).
 
 ``--vs-kv-format NAME`` also times every shape on caches of format NAME (same slots, same q,
 the first precision) and adds the columns "us NAME" and "x NAME" (NAME's time / this one's):
 two formats in the same run, for example ``--kv-format model1_nvfp4 --vs-kv-format
-model1_fp8``. ``--long-context`` adds the 1M-context decode shape of DeepSeek-V4, T=8, H=64,
+model1_fp8``. ``--extra-kv-format NAME`` reads the extra cache in NAME (a format the main
+one pairs with: ``kv_format.EXTRA_FORMATS``), for example ``--kv-format v41_fp8
+--extra-kv-format v41_nvfp4 --vs-kv-format v41_fp8``. ``--long-context`` adds the 1M-context decode shape of DeepSeek-V4, T=8, H=64,
 main 128 + extra 8192 from a cache of 2-token pages ("128+8192@2"; C128 compression of a
 million tokens), to a grid with an extra list.
 
@@ -29,7 +33,8 @@ sm_scale = the format's d_qk**-0.5. Single-cache shapes gather uniform random sl
 and extra = 512 random slots of a second cache ("128+8192@2": 8192 of a cache of the same
 262,144 tokens in 2-token pages). Each call is captured in one CUDA graph and
 replayed; time = median of ``triton.testing.do_bench`` (which clears L2 before every call).
-GB/s counts T x (topk + extra_topk) x the format's bytes per token (584, 384, 656, 528). The copy
+GB/s counts T x (topk x the main format's + extra_topk x the extra format's bytes per token:
+584, 384, 528, 288, 656). The copy
 ceiling is measured in the same run (a 4 GiB device-to-device copy, bytes read + written).
 "%mma" is the call's tensor work (``tensor_flops``: QK over d_qk dims and PV over d_v
 columns per head and entry) per second
@@ -55,7 +60,9 @@ import torch
 
 
 from cute_kernels.sparse_mla_decode.config import precisions_of
-from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
+from cute_kernels.sparse_mla_decode.kv_format import (
+    DEFAULT_FORMAT, EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, KvFormat, get_format,
+)
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode
 from dispatch.registry import DEPLOYMENT_SHAPES
@@ -107,7 +114,7 @@ LONG_CONTEXT = (8, 64, "128+8192@2")  # --long-context: 1M tokens of context, C1
 
 
 def grid_for(kv_format: str) -> list[tuple[int, int, str]]:
-    """The bench grid of a format: a format with an extra cache (MODEL1 FP8 and NVFP4) runs
+    """The bench grid of a format: a format with an extra cache (DeepSeek-V4's and V4.1's) runs
     ``GRID`` (FlashMLA's times are for MODEL1's); a format without one runs the same tokens and
     heads at each top-k its models use in the deployment registry (one source for both)."""
     if kv_format in EXTRA_FORMATS:
@@ -157,20 +164,22 @@ def inputs(T, H, shape, gen, kv_format: str = DEFAULT_FORMAT):
     return q, idx, None, topk
 
 
-def call_inputs(shape: str, caches: Caches, kv_format: str, e_idx):
-    """The main cache and the extra cache's keyword arguments of a grid shape in ``kv_format``."""
-    kw = {} if e_idx is None else dict(extra_kv_cache=caches.get(kv_format, "extra", extra_page_of(shape)),
-                                       extra_indices=e_idx)
+def call_inputs(shape: str, caches: Caches, kv_format: str, e_idx, extra_kv_format: str | None = None):
+    """The main cache and the extra cache's keyword arguments of a grid shape in ``kv_format``
+    (the extra cache in ``extra_kv_format``, default the main's)."""
+    kw = {} if e_idx is None else dict(
+        extra_kv_cache=caches.get(extra_kv_format or kv_format, "extra", extra_page_of(shape)), extra_indices=e_idx)
     return caches.get(kv_format, "main"), kw
 
 
-def plan_runner(q, cache, idx, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT):
+def plan_runner(q, cache, idx, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT,
+                extra_kv_format: str | None = None):
     """A no-argument call of the planned decode on these inputs (``plan.run``: what a serving
     engine captures in a CUDA graph)."""
     out = torch.empty(*q.shape[:-1], get_format(kv_format).d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, overrides=overrides,
-                                  kv_format=kv_format, **kw)
+                                  kv_format=kv_format, extra_kv_format=extra_kv_format if kw else None, **kw)
     scratch = plan.new_scratch()
     return lambda: plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
 
@@ -194,7 +203,9 @@ def print_table(rows: list, precisions: list) -> None:
           f"{'FlashMLA us':>11} {'x FlashMLA':>10}" + "".join(f" {'us ' + p:>9}" for p in precisions[1:])
           + (f" {'us ' + vs:>17} {'x ' + vs:>16}" if vs else ""))
     for r in rows:
-        model1 = r.get("kv_format", DEFAULT_FORMAT) == DEFAULT_FORMAT  # an older JSON's rows are MODEL1's
+        # an older JSON's rows are MODEL1's; FlashMLA's times are for MODEL1 caches alone
+        model1 = (r.get("kv_format", DEFAULT_FORMAT) == DEFAULT_FORMAT
+                  and r.get("extra_kv_format") in (None, DEFAULT_FORMAT))
         fm = FLASHMLA_US.get((r["T"], r["H"], r["topk"])) if model1 else None
         fm = f"{fm:>11.1f} {fm / r['us']:>10.2f}" if fm else f"{'-':>11} {'-':>10}"
         print(f"{r['T']:>4} {r['H']:>4} {r['topk']:>10} {r['us']:>8.1f} {r['gbs']:>7.0f} {100 * r['frac_copy']:>5.1f}% "
@@ -208,8 +219,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-format", default=DEFAULT_FORMAT, choices=sorted(FORMATS),
                     help="the caches' format, and with it the grid (default: %(default)s)")
+    ap.add_argument("--extra-kv-format", choices=sorted(FORMATS),
+                    help="the extra cache's format (default: the main cache's; EXTRA_FORMATS lists the pairs)")
     ap.add_argument("--vs-kv-format", choices=sorted(FORMATS),
-                    help="also time every shape on caches of this format (same slots and q) and compare")
+                    help="also time every shape on caches of this format, for both caches (same slots and q), "
+                         "and compare")
     ap.add_argument("--long-context", action="store_true",
                     help="add the 1M-context shape T=8 H=64 128+8192 (extra cache in 2-token pages)")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
@@ -239,6 +253,15 @@ def main(argv=None) -> int:
         for p in precisions if f is fmt else precisions[:1]:
             if p != "default" and p not in precisions_of(f):
                 ap.error(f"--precision {p} does not read {f.name} caches (one of {precisions_of(f)})")
+    if fmt.name in EXTRA_ONLY_FORMATS:
+        ap.error(f"--kv-format {fmt.name} is read only as an extra cache: pass it as --extra-kv-format")
+    extra_fmt = args.extra_kv_format
+    if extra_fmt is not None and extra_fmt not in EXTRA_FORMATS.get(fmt.name, ()):
+        ap.error(f"--extra-kv-format {extra_fmt}: a {fmt.name} main cache pairs with {EXTRA_FORMATS.get(fmt.name, ())}")
+    if extra_fmt is not None:
+        for p in precisions:
+            if p != "default" and p not in precisions_of(get_format(extra_fmt)):
+                ap.error(f"--precision {p} does not read {extra_fmt} caches (one of {precisions_of(get_format(extra_fmt))})")
     if args.long_context:
         if fmt.name not in EXTRA_FORMATS:
             ap.error(f"--long-context: {fmt.name} has no extra cache")
@@ -253,7 +276,8 @@ def main(argv=None) -> int:
     ceiling = copy_ceiling_gbs()
     mma_tflops = mma_ceiling_tflops()
     conv_tflops = {16 * g: converted_ceiling_tflops(g) for g in HEAD_GROUPS}  # heads per operand -> TFLOP/s
-    print(f"{fmt.name} caches ({fmt.bytes_per_token} B per token, d_qk {fmt.d_qk}, d_v {fmt.d_v}); "
+    print(f"{fmt.name} caches ({fmt.bytes_per_token} B per token, d_qk {fmt.d_qk}, d_v {fmt.d_v})"
+          + (f", extra caches {extra_fmt}" if extra_fmt else "") + "; "
           f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "
           f"mma.sync f16 ceiling {mma_tflops:.0f} TFLOP/s; with e4m3 operands converted in registers "
           + ", ".join(f"{r:.0f} ({h} heads each)" for h, r in conv_tflops.items()), flush=True)
@@ -262,9 +286,10 @@ def main(argv=None) -> int:
             if (not args.quick or row[0] in QUICK_TOKENS) and (tokens is None or row[0] in tokens)]
     rows = []
     for n, (T, H, shape) in enumerate(grid):
-        q, idx, e_idx, entries = inputs(T, H, shape, gen, fmt.name)
-        cache, kw = call_inputs(shape, caches, fmt.name, e_idx)
-        times = {p: graph_time_us(plan_runner(q, cache, idx, kw, None if p == "default" else p, overrides, fmt.name))
+        q, idx, e_idx, _ = inputs(T, H, shape, gen, fmt.name)
+        cache, kw = call_inputs(shape, caches, fmt.name, e_idx, extra_fmt)
+        times = {p: graph_time_us(plan_runner(q, cache, idx, kw, None if p == "default" else p, overrides, fmt.name,
+                                              extra_fmt))
                  for p in precisions}
         vs_us = None
         if vs is not None:
@@ -274,11 +299,13 @@ def main(argv=None) -> int:
         us = times[precisions[0]]
         ref_us = (math.nan if args.quick or args.no_torch
                   else graph_time_us(lambda: reference_decode(q, cache, idx, dtype=torch.float32, kv_format=fmt.name,
-                                                              **kw)))
-        gbs = T * entries * fmt.bytes_per_token / (us * 1e-6) / 1e9
-        fm = FLASHMLA_US.get((T, H, shape)) if fmt.name == DEFAULT_FORMAT else None
+                                                              extra_kv_format=extra_fmt if kw else None, **kw)))
+        topk, extra_topk = list_lengths(shape)
+        extra_bpt = get_format(extra_fmt).bytes_per_token if extra_fmt else fmt.bytes_per_token
+        gbs = T * (topk * fmt.bytes_per_token + extra_topk * extra_bpt) / (us * 1e-6) / 1e9
+        fm = FLASHMLA_US.get((T, H, shape)) if fmt.name == DEFAULT_FORMAT and extra_fmt in (None, DEFAULT_FORMAT) else None
         tflops = tensor_flops(T, H, shape, fmt) / (us * 1e-6) / 1e12
-        row = dict(kv_format=fmt.name, T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, tflops=tflops,
+        row = dict(kv_format=fmt.name, extra_kv_format=extra_fmt, T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, tflops=tflops,
                    frac_mma=tflops / mma_tflops, torch_us=ref_us,
                    speedup_vs_torch=ref_us / us, flashmla_us=fm, vs_flashmla=(fm / us) if fm else None,
                    precision=precisions[0], us_by_precision=times,
@@ -289,6 +316,7 @@ def main(argv=None) -> int:
     print_table(rows, precisions)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), kv_format=fmt.name,
+                                                   extra_kv_format=extra_fmt,
                                                    copy_gbs=ceiling,
                                                    mma_tflops=mma_tflops, conv_tflops=conv_tflops, rows=rows),
                                               indent=1))

@@ -4,6 +4,7 @@ helpers), round trips, the views ``read_cache_view`` accepts and refuses, and th
 ``dispatch.testing`` makes."""
 
 import math
+import re
 import struct
 from bisect import bisect_left
 from fractions import Fraction
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import (
-    WRITERS, CacheLayoutError, decode_scales, default_block_stride, e2m1_decode, e2m1_encode, format_of,
+    WRITERS, CacheLayoutError, decode_scales, default_block_stride, e2m1_decode, e2m1_encode, extra_format_of,
+    format_of,
     gather_slot_parts, gather_slots, pack_latent, page_division_magic, quantize_latent, read_cache_view,
     unpack_cache,
 )
@@ -26,7 +28,15 @@ MODEL1_TOKEN_BYTES = 584
 # of e2m1 pairs then 64 bf16 rope values at t * 352, its footer record at P * 352 + 32 t: 28
 # E4M3 scale bytes (byte g scales dims 16g..16g+15), then 4 bytes that are 0
 NVFP4_TOKEN_BYTES, NVFP4_ROW, NVFP4_RECORD, NVFP4_NOPE_BYTES = 384, 352, 32, 224
-TOKEN_BYTES = {"model1_fp8": MODEL1_TOKEN_BYTES, "model1_nvfp4": NVFP4_TOKEN_BYTES}
+# DeepSeek-V4.1 (FlashInfer's dsv41 layouts): 512 dims, all quantized, no rope. FP8: 512 e4m3
+# bytes and 16 UE8M0 bytes (byte g scales dims 32g..32g+31); FP4: 256 bytes of e2m1 pairs and 32
+# E4M3 bytes (byte g scales dims 16g..16g+15). Footer: token t's data at t * data, its scales at
+# P * data + t * scales, no pad; inline: record [data | scales] at the row (flat-row indices)
+V41_LAYOUT = {  # name: (e2m1, data bytes, scale bytes, footer)
+    "v41_fp8": (False, 512, 16, True), "v41_fp8_inline": (False, 512, 16, False),
+    "v41_nvfp4": (True, 256, 32, True), "v41_nvfp4_inline": (True, 256, 32, False),
+}
+TOKEN_BYTES = {"model1_fp8": MODEL1_TOKEN_BYTES, "model1_nvfp4": NVFP4_TOKEN_BYTES, "v41_fp8": 528, "v41_nvfp4": 288}
 FILL = 0xA5  # the packer's filler in the byte tests: no data byte of the test latents is checked against it
 
 
@@ -89,6 +99,8 @@ def expected_group(kv_format: str, writer: str, xs: list):
     vLLM's fp8_ds_mla max(amax / 448, FLT_MIN) and x / s, SGLang amax / 448 and x * (1 / s), b12x's
     GLM-5.3 writer amax * fl32(1 / 448) (1 for an all-zero group) and x * (1 / s); FlashInfer's
     NVFP4 writer: the E4M3 byte of amax / 6, e2m1 codes of x * (1 / s), all 0 where s is 0)."""
+    if kv_format in V41_LAYOUT:
+        return expected_v41_group(kv_format, writer, xs)
     amax = max(abs(x) for x in xs)
     fmt = get_format(kv_format)
     if writer == "flashinfer":
@@ -118,6 +130,42 @@ def expected_group(kv_format: str, writer: str, xs: list):
     else:
         scale = struct.pack("<f", s)
     return scale, codes
+
+
+def expected_v41_group(kv_format: str, writer: str, xs: list):
+    """(scale byte, codes: e4m3 bytes or e2m1 nibbles) of one DeepSeek-V4.1 group of float32
+    ``xs`` (the formats' note, 1.2 and 3.3-3.4). FP8, FlashInfer: a NaN in the group gives scale
+    0xFF and every code 0x7F; an Inf (no NaN) scale 0xFF, 0x7F for the Inf elements and +-0 for
+    the rest; else FlashMLA's pow2-ceil with the 1e-4 ratio floor and x / s. FP8, b12x:
+    pow2_ceil(max(amax, 1e-4) * fl32(1 / 448)) and x * (1 / s). FP4, FlashInfer: a NaN or Inf
+    gives scale 0x7F and codes 0; else e4m3(clamp(amax / 6, 2**-9, 448)) and x / s. FP4, b12x:
+    amax clamped at 6 * 2**-9, e4m3(amax / 6) and x * (1 / s)."""
+    e2m1 = V41_LAYOUT[kv_format][0]
+    finite = all(math.isfinite(x) for x in xs)
+    if writer == "flashinfer" and not finite:
+        if e2m1:
+            return b"\x7f", [0] * len(xs)
+        if any(math.isnan(x) for x in xs):
+            return b"\xff", [0x7F] * len(xs)
+        return b"\xff", [0x7F if math.isinf(x) else (0x80 if math.copysign(1.0, x) < 0 else 0) for x in xs]
+    amax = max(abs(x) for x in xs)
+    if e2m1:
+        if writer == "flashinfer":
+            sb = e4m3_code(min(max(f32(amax / 6), 2.0**-9), 448.0))
+            return bytes([sb]), [e2m1_code(f32(x / e4m3_value(sb))) for x in xs]
+        assert writer == "b12x", writer
+        sb = e4m3_code(f32(max(amax, 6 * 2.0**-9) / 6))
+        return bytes([sb]), [e2m1_code(f32(x * f32(1 / e4m3_value(sb)))) for x in xs]
+    if writer == "flashinfer":
+        s = pow2_ceil(max(f32(amax / 448), f32(1e-4)))
+        codes = [e4m3_code(f32(x / s)) for x in xs]
+    else:
+        assert writer == "b12x", writer
+        s = pow2_ceil(f32(max(amax, f32(1e-4)) * f32(1 / 448)))
+        codes = [e4m3_code(f32(x * f32(1 / s))) for x in xs]
+    m, e = math.frexp(s)
+    assert m == 0.5
+    return bytes([e - 1 + 127]), codes
 
 
 def bf16_bytes(x: float) -> bytes:
@@ -223,6 +271,8 @@ def expected_bytes(latent: torch.Tensor, kv_format: str, writer: str, block_stri
     sign) computed from the specification."""
     fmt = get_format(kv_format)
     nb, page, _ = latent.shape
+    if kv_format in V41_LAYOUT:
+        return expected_v41_bytes(latent, kv_format, writer, block_stride, row_stride), []
     if fmt.e2m1:
         return expected_nvfp4_bytes(latent, block_stride), []
     pitch = row_stride or (fmt.row_pitches[0] if fmt.inline else MODEL1_TOKEN_BYTES)
@@ -277,6 +327,45 @@ def expected_nvfp4_bytes(latent: torch.Tensor, block_stride: int) -> bytearray:
     return buf
 
 
+def expected_v41_bytes(latent: torch.Tensor, kv_format: str, writer: str, block_stride: int,
+                       row_stride: int | None) -> bytearray:
+    """The bytes of a DeepSeek-V4.1 buffer from the specification (``V41_LAYOUT``): block b's
+    token t at b * block_stride, its data and scale bytes where the layout puts them (an
+    inline record at t * row_stride, default its 528 / 288 bytes), e2m1 element 2i in the low
+    nibble of byte i; FILL elsewhere (block padding, a flat-row block's rows past its tokens,
+    the tail of a wide row)."""
+    e2m1, data, scales, footer = V41_LAYOUT[kv_format]
+    group = 16 if e2m1 else 32
+    nb, page, _ = latent.shape
+    pitch = row_stride or data + scales
+    buf = bytearray([FILL]) * (nb * block_stride)
+    for b in range(nb):
+        for t in range(page):
+            x = latent[b, t].tolist()
+            base = b * block_stride
+            row = base + t * (data if footer else pitch)
+            scale_at = base + page * data + t * scales if footer else row + data
+            codes = []
+            for g in range(512 // group):
+                scale, group_codes = expected_v41_group(kv_format, writer, x[g * group:(g + 1) * group])
+                buf[scale_at + g] = scale[0]
+                codes += group_codes
+            if e2m1:
+                codes = [codes[2 * i] | codes[2 * i + 1] << 4 for i in range(data)]
+            buf[row:row + data] = bytes(codes)
+    return buf
+
+
+def v41_value(kv_format: str, raw: bytes, row: int, scale_at: int) -> list:
+    """The 512 dequantized values (Python floats, exact) of the V4.1 token whose data starts
+    at byte ``row`` and whose scale bytes start at ``scale_at`` of ``raw``."""
+    e2m1 = V41_LAYOUT[kv_format][0]
+    if e2m1:
+        return [e2m1_value(raw[row + i // 2] >> 4 if i % 2 else raw[row + i // 2] & 0xF)
+                * e4m3_value(raw[scale_at + i // 16]) for i in range(512)]
+    return [e4m3_value(raw[row + i]) * 2.0 ** (raw[scale_at + i // 32] - 127) for i in range(512)]
+
+
 def storage_bytes(cache: torch.Tensor) -> bytes:
     return bytes(cache.untyped_storage().cpu())
 
@@ -287,6 +376,11 @@ STRIDE_CASES = {  # (row stride, extra bytes of block padding); None: the format
     "model1_nvfp4": [(None, 0), (None, 48)],
     "v32_fp8": [(None, 0), (672, 32), (1024, 0)],
     "glm_nope_fp8": [(None, 0), (528, 16), (656, 0), (656, 160), (672, 0)],
+    "v41_fp8": [(None, 0), (None, 48)],
+    "v41_nvfp4": [(None, 0), (None, 48)],
+    # flat rows: a padded block is a whole number of rows (two rows of padding here)
+    "v41_fp8_inline": [(None, 0), (None, 2 * 528), (544, 0), (544, 2 * 544)],
+    "v41_nvfp4_inline": [(None, 0), (None, 2 * 288), (320, 0), (320, 2 * 320)],
 }
 
 
@@ -306,7 +400,8 @@ def test_packer_bytes_match_the_specification(kv_format, writer):
             used = (page - 1) * pitch + fmt.row_bytes
         else:
             used = page * TOKEN_BYTES[kv_format]
-        block_stride = -(-used // 16) * 16 + pad
+        unit = pitch if fmt.flat_rows else 16  # the smallest block stride: 16-byte aligned, whole rows
+        block_stride = -(-used // unit) * unit + pad
         cache = pack_latent(latent, kv_format, writer=writer, block_stride=block_stride, row_stride=row_stride,
                             fill=FILL)
         want, nan_at = expected_bytes(latent, kv_format, writer, block_stride, row_stride)
@@ -346,6 +441,27 @@ def test_the_test_groups_reach_every_recipe_branch():
     near = groups[8]  # the same scale for both recipes, codes that part x / s from x * (1 / s)
     assert expected_group("v32_fp8", "vllm", near)[0] == expected_group("v32_fp8", "sglang", near)[0]
     assert expected_group("v32_fp8", "vllm", near)[1] != expected_group("v32_fp8", "sglang", near)[1]
+    # DeepSeek-V4.1 FP8 (groups of 32): FlashInfer's ratio floor, b12x's amax floor (all zeros,
+    # amax 1e-6); the same scale 1 and ties at amax 448, a binade up past it
+    groups32 = special_groups(32, 9, gen)
+    for g in (groups32[0], groups32[5]):
+        assert expected_group("v41_fp8", "flashinfer", g)[0] == bytes([127 - 13])
+        assert expected_group("v41_fp8", "b12x", g)[0] == bytes([127 - 22])
+    assert expected_group("v41_fp8", "flashinfer", groups32[0])[1] == [0] * 32
+    for w in ("flashinfer", "b12x"):
+        scale, codes = expected_group("v41_fp8", w, groups32[1])
+        assert scale == bytes([127]) and codes[:8] == [0x7E, 0x58, 0x5A, 0xD8, 0x00, 0x02, 0x82, 0x00]
+        assert expected_group("v41_fp8", w, groups32[2])[0] == bytes([128])  # amax 450
+    # DeepSeek-V4.1 FP4: the 2**-9 scale floor where MODEL1's writer gives scale 0, and the
+    # division (FlashInfer) against the reciprocal (b12x) at the s = 0x0F ties
+    fp4 = nvfp4_special_groups(9, gen)
+    assert expected_group("model1_nvfp4", "flashinfer", fp4[3]) == (b"\0", [0] * 16)
+    for w in ("flashinfer", "b12x"):
+        assert expected_group("v41_nvfp4", w, fp4[0]) == (b"\x01", [0] * 16)
+        assert expected_group("v41_nvfp4", w, fp4[3])[0] == b"\x01"
+    assert expected_group("v41_nvfp4", "flashinfer", fp4[6])[0] == expected_group("v41_nvfp4", "b12x", fp4[6])[0]
+    assert expected_group("v41_nvfp4", "flashinfer", fp4[6])[1][1:4] == [2, 4, 6]  # x / s: the ties to even
+    assert expected_group("v41_nvfp4", "b12x", fp4[6])[1][1:4] == [3, 5, 7]  # x * (1 / s): a code above
 
 
 def test_quantize_latent_refuses_unknown_writers_and_widths():
@@ -483,12 +599,16 @@ def test_every_view_of_every_format_reads_the_same(kv_format, layout):
     ("v32_fp8", 656, 0), ("v32_fp8", 672, 0), ("v32_fp8", 672, 48), ("v32_fp8", 1024, 4096),
     ("glm_nope_fp8", 528, 0), ("glm_nope_fp8", 528, 16), ("glm_nope_fp8", 656, 0), ("glm_nope_fp8", 656, 400),
     ("glm_nope_fp8", 672, 32), ("model1_fp8", None, 0), ("model1_fp8", None, 1024),
+    ("v41_fp8", None, 0), ("v41_fp8", None, 1024), ("v41_nvfp4", None, 208),
+    ("v41_fp8_inline", 528, 0), ("v41_fp8_inline", 528, 3 * 528), ("v41_fp8_inline", 544, 544),
+    ("v41_nvfp4_inline", 288, 0), ("v41_nvfp4_inline", 288, 5 * 288), ("v41_nvfp4_inline", 320, 2 * 320),
 ])
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_padded_rows_and_page_gaps_read_the_same(kv_format, row_stride, gap, layout):
     """Wide pitches (GLM-5.3's 528-byte rows in 656-byte pool rows), padded rows and page gaps
     (block stride past the block's bytes) read as the packed cache; every byte that is not data
-    is 0xFF (NaN) in ``make_cache``, so a reader that touched one would return NaN."""
+    is 0xFF (NaN) in ``make_cache``, so a reader that touched one would return NaN. A flat-row
+    format's gap is whole rows, and its token t of block b is index b * R + t."""
     fmt = get_format(kv_format)
     seed = seed_for(f"strides {kv_format}")
     ref = unpack_cache(_same_latent_caches(kv_format, seed), kv_format)
@@ -498,15 +618,21 @@ def test_padded_rows_and_page_gaps_read_the_same(kv_format, row_stride, gap, lay
     assert cache.shape[-1] == view_width(kv_format, pitch)
     view = read_cache_view(cache, kv_format)
     assert (view.block_stride, view.row_stride, view.page_block_size) == (block_stride, pitch, 16)
+    rows_per_block = block_stride // pitch if fmt.flat_rows else 16
+    assert view.index_page == rows_per_block and view.num_slots == 4 * rows_per_block + 16
     back = unpack_cache(cache, kv_format)
     assert torch.isfinite(back).all() and torch.equal(back, ref)
-    slots = torch.tensor([[0, 79, 16], [15, 17, 17]])
-    assert torch.equal(gather_slots(view, slots), ref.reshape(80, fmt.d_qk)[slots])
+    tokens = torch.tensor([[0, 79, 16], [15, 17, 17]])
+    slots = tokens // 16 * rows_per_block + tokens % 16
+    assert torch.equal(gather_slots(view, slots), ref.reshape(80, fmt.d_qk)[tokens])
 
 
 @pytest.mark.parametrize("kv_format,row_stride", [("v32_fp8", 656), ("v32_fp8", 672), ("glm_nope_fp8", 528),
                                                    ("glm_nope_fp8", 656), ("glm_nope_fp8", 672),
-                                                   ("model1_fp8", None)])
+                                                   ("model1_fp8", None), ("model1_nvfp4", None), ("v41_fp8", None),
+                                                   ("v41_nvfp4", None), ("v41_fp8_inline", 528),
+                                                   ("v41_fp8_inline", 560), ("v41_nvfp4_inline", 288),
+                                                   ("v41_nvfp4_inline", 304)])
 def test_the_packers_own_view_reads_back(kv_format, row_stride):
     """``pack_latent``'s result (``[num_blocks, P, 1, W]``, W its row stride) is a cache view
     ``read_cache_view`` accepts, as its docstring says."""
@@ -539,7 +665,8 @@ def test_format_of_names_or_refuses_by_width():
         format_of(torch.zeros(2, 4, 1, 528, dtype=torch.uint8), None)
     with pytest.raises(CacheLayoutError, match=r"no cache format has 600-byte rows: pass kv_format= "
                                                r"\(one of \['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', "
-                                               r"'v32_fp8'\]\)"):
+                                               r"'v32_fp8', 'v41_fp8', 'v41_fp8_inline', 'v41_nvfp4', "
+                                               r"'v41_nvfp4_inline'\]\)"):
         format_of(torch.zeros(2, 4, 1, 600, dtype=torch.uint8), None)
     # MODEL1's 576 data bytes per row are no view width (its views are 584 wide): not ambiguous
     with pytest.raises(CacheLayoutError, match="no cache format has 576-byte rows"):
@@ -585,6 +712,16 @@ def _strided(size, shape, stride, offset=0, dtype=torch.uint8):
     ("model1_fp8", lambda: _strided(4 * 8 * 600, (4, 8, 1, 584), (8 * 600, 600, 600, 1)), "token stride 584"),
     ("v32_fp8", lambda: _strided(4 * 8 * 656 + 8, (4, 8, 1, 656), (8 * 656, 656, 656, 1), 8), "data pointer"),
     ("v32_fp8", lambda: torch.zeros(0, 8, 1, 656, dtype=torch.uint8), "holds no token"),
+    # flat rows: a block stride that is no whole number of rows (16-byte aligned, past the block)
+    ("v41_fp8_inline", lambda: _strided(4 * 4240, (4, 8, 1, 528), (8 * 528 + 16, 528, 528, 1)),
+     "block stride 4240 bytes is not a whole number of 528-byte rows"),
+    ("v41_nvfp4_inline", lambda: _strided(4 * 8 * 320, (4, 1, 8, 288), (8 * 320 - 32, 320, 320, 1)),
+     "block stride 2528 bytes is not a whole number of 320-byte rows"),
+    ("v41_nvfp4_inline", lambda: _strided(4 * 2448, (4, 8 * 288), (8 * 288 + 144, 1)),
+     "block stride 2448 bytes is not a whole number of 288-byte rows"),
+    # V4.1 footer rows packed
+    ("v41_fp8", lambda: _strided(4 * 8 * 544, (4, 8, 1, 528), (8 * 544, 544, 544, 1)), "token stride 528"),
+    ("v41_nvfp4", lambda: torch.zeros(4, 8, 1, 528, dtype=torch.uint8), "expected [num_blocks, P, 1, 288]"),
 ])
 def test_bad_views_are_refused(kv_format, make, message):
     with pytest.raises(CacheLayoutError, match=message.replace("[", r"\[").replace("*", r"\*")):
@@ -595,16 +732,23 @@ def test_bad_views_are_refused(kv_format, make, message):
 @pytest.mark.parametrize("kv_format,row_stride,layout", [
     ("v32_fp8", 672, "nhd"), ("v32_fp8", None, "flat"), ("glm_nope_fp8", 656, "hnd"), ("glm_nope_fp8", 528, "fp8"),
     ("model1_fp8", None, "nhd"), ("model1_nvfp4", None, "nhd"), ("model1_nvfp4", None, "flat"),
+    ("v41_fp8", None, "nhd"), ("v41_fp8", None, "flat"), ("v41_nvfp4", None, "hnd"), ("v41_fp8_inline", None, "fp8"),
+    ("v41_fp8_inline", 544, "hnd"), ("v41_nvfp4_inline", None, "flat"), ("v41_nvfp4_inline", 304, "nhd"),
 ])
 def test_make_cache_poisons_every_byte_that_is_not_data(kv_format, row_stride, layout):
+    """0xFF in every byte that is no token's data (block padding, a flat-row block's rows past
+    its tokens, wide rows' tails) and in the poisoned blocks, which read as NaN; the pad bytes
+    of the footer records that have them are 0."""
     fmt = get_format(kv_format)
     page, nb = 8, 6
     pitch = row_stride or (fmt.row_pitches[0] if fmt.inline else fmt.bytes_per_token)
-    block_stride = default_block_stride(fmt, page, row_stride) + 64
+    # padding: 64 bytes, or for flat rows two whole rows
+    block_stride = default_block_stride(fmt, page, row_stride) + (2 * pitch if fmt.flat_rows else 64)
     cache = make_cache(nb, page, device="cpu", kv_format=kv_format, row_stride=row_stride, block_stride=block_stride,
                        layout=layout, poison_blocks=(0, 4), gen=torch.Generator().manual_seed(5))
     raw = storage_bytes(cache)
-    row_bytes, record = {"model1_fp8": (576, 8), "model1_nvfp4": (NVFP4_ROW, NVFP4_RECORD)}.get(kv_format, (None, 0))
+    row_bytes, record = {"model1_fp8": (576, 8), "model1_nvfp4": (NVFP4_ROW, NVFP4_RECORD), "v41_fp8": (512, 16),
+                         "v41_nvfp4": (256, 32)}.get(kv_format, (None, 0))
     data = set()
     for b in (1, 2, 3, 5):
         base = b * block_stride
@@ -623,11 +767,16 @@ def test_make_cache_poisons_every_byte_that_is_not_data(kv_format, row_stride, l
         assert filler and all(raw[i] == 0xFF for i in filler)
         if kv_format == "model1_fp8":  # MODEL1's pad byte: 0, as before
             assert all(raw[b * block_stride + page * 576 + 8 * t + 7] == 0 for t in range(page))
-        if fmt.e2m1:  # NVFP4's 4 pad bytes: 0 (its specification)
+        if kv_format == "model1_nvfp4":  # NVFP4's 4 pad bytes: 0 (its specification)
             at = b * block_stride + page * NVFP4_ROW
             assert all(raw[at + NVFP4_RECORD * t + 28:at + NVFP4_RECORD * t + 32] == bytes(4) for t in range(page))
     back = unpack_cache(cache, kv_format).reshape(nb, page, -1)
     assert torch.isnan(back[[0, 4]]).all() and torch.isfinite(back[[1, 2, 3, 5]]).all()
+    if fmt.flat_rows:  # the rows past a block's tokens are indices, and read as the 0xFF they hold
+        view = read_cache_view(cache, kv_format)
+        assert view.index_page == page + 2 and view.num_slots == 5 * (page + 2) + page
+        pad_rows = torch.tensor([page, page + 1, 2 * (page + 2) + page + 1])
+        assert torch.isnan(gather_slots(view, pad_rows)).all()
 
 
 def test_make_cache_refuses_what_its_views_cannot_hold():
@@ -639,11 +788,15 @@ def test_make_cache_refuses_what_its_views_cannot_hold():
         make_cache(2, 4, device="cpu", row_stride=600)
     with pytest.raises(ValueError, match="layout"):
         make_cache(2, 4, device="cpu", layout="nchw")
+    with pytest.raises(ValueError, match="not a whole number of 528-byte rows"):
+        make_cache(2, 4, device="cpu", kv_format="v41_fp8_inline", block_stride=4 * 528 + 16)
 
 
 @pytest.mark.parametrize("kv_format,writer", [("v32_fp8", "vllm"), ("v32_fp8", "sglang"), ("glm_nope_fp8", "vllm"),
                                               ("glm_nope_fp8", "b12x"), ("v32_fp8", "flashmla"),
-                                              ("model1_fp8", None), ("model1_nvfp4", "flashinfer")])
+                                              ("model1_fp8", None), ("model1_nvfp4", "flashinfer"),
+                                              ("v41_fp8", "flashinfer"), ("v41_fp8_inline", "b12x"),
+                                              ("v41_nvfp4", "flashinfer"), ("v41_nvfp4_inline", "b12x")])
 def test_make_cache_scale_spread(kv_format, writer):
     """``scale_spread``: per-group scales over many binades; not powers of two for the
     arbitrary-FP32 writers."""
@@ -661,7 +814,7 @@ def test_make_cache_scale_spread(kv_format, writer):
         assert pow2.float().mean() < 0.3 and not torch.isnan(scales).any()
         nonzero = binades[scales > 0]  # (a group 2**-8 times the data may round to scale 0)
         assert nonzero.max() - nonzero.min() >= 14 and (scales > 0).float().mean() > 0.99
-    elif writer in ("vllm", "sglang", "b12x"):
+    elif fmt.fp32_scales and writer in ("vllm", "sglang", "b12x"):
         assert pow2.float().mean() < 0.05  # amax / 448 is a power of two only for amax = 1.75 * 2**k (bf16 holds it)
     else:
         assert pow2.all()
@@ -1021,3 +1174,362 @@ def test_nvfp4_packer_reproduces_the_writer_recipe_by_hand():
     assert expected_group("model1_nvfp4", "flashinfer", xs0) == (b"\x40", [7, 15, 0, 1, 2, 2, 4, 4, 6, 6, 7, 8, 8,
                                                                            11, 0, 5])
     assert expected_group("model1_nvfp4", "flashinfer", [f32(v) for v in xs1])[1][:5] == [7, 3, 5, 7, 11]
+
+
+# ---------------------------------------------------------------------- DeepSeek-V4.1 (FP8, NVFP4; footer, inline)
+V41_FP8_FORMATS = ("v41_fp8", "v41_fp8_inline")
+V41_NVFP4_FORMATS = ("v41_nvfp4", "v41_nvfp4_inline")
+INLINE_OF = {"v41_fp8": "v41_fp8_inline", "v41_nvfp4": "v41_nvfp4_inline"}
+
+
+def v41_block(kv_format: str, tokens: list) -> torch.Tensor:
+    """A one-block V4.1 cache ``[1, P, 1, W]`` from its tokens' bytes, each (data, scale bytes),
+    laid out as the specification says (``V41_LAYOUT``): footer, the P data rows then the P
+    scale records; inline, P records [data | scales] back to back."""
+    _, data, scales, footer = V41_LAYOUT[kv_format]
+    assert all(len(d) == data and len(sc) == scales for d, sc in tokens)
+    if footer:
+        raw = b"".join(bytes(d) for d, _ in tokens) + b"".join(bytes(sc) for _, sc in tokens)
+    else:
+        raw = b"".join(bytes(d) + bytes(sc) for d, sc in tokens)
+    return torch.tensor(list(raw), dtype=torch.uint8).view(1, len(tokens), 1, data + scales)
+
+
+def v41_token_at(kv_format: str, page: int, block_stride: int, row_stride: int, block: int, t: int):
+    """(data byte, scale byte) offsets of row ``t`` of ``block`` by the specification."""
+    _, data, scales, footer = V41_LAYOUT[kv_format]
+    base = block * block_stride
+    if footer:
+        return base + t * data, base + page * data + t * scales
+    return base + t * row_stride, base + t * row_stride + data
+
+
+@pytest.mark.parametrize("kv_format,writer", [(f, w) for f in V41_LAYOUT for w in WRITERS[f]])
+def test_v41_round_trip_is_the_writers_dequantized_values(kv_format, writer):
+    """unpack(pack(latent)) is exactly the writer's codes x scales (``quantize_latent``) and the
+    specification's dequantization of the packed bytes, for the default and padded strides."""
+    fmt = get_format(kv_format)
+    seed = seed_for(f"v41 round trip {kv_format} {writer}")
+    gen = torch.Generator().manual_seed(seed)
+    latent = (torch.randn(3, 6, 512, generator=gen)
+              * torch.exp2(torch.randint(-14, 12, (3, 6, 1), generator=gen).float())).bfloat16().float()
+    codes, scales, rope = quantize_latent(latent, kv_format, writer)
+    assert scales.dtype == torch.float32 and rope.shape == (3, 6, 0)
+    want = (codes.float().reshape(3, 6, fmt.num_scales, fmt.scale_group) * scales[..., None]).reshape(3, 6, 512)
+    assert torch.isfinite(want).all(), f"[seed {seed}]"
+    for row_stride, pad in STRIDE_CASES[kv_format]:
+        pitch = row_stride or TOKEN_BYTES.get(kv_format) or fmt.row_pitches[0]
+        block_stride = default_block_stride(fmt, 6, row_stride) + pad
+        cache = pack_latent(latent, kv_format, writer=writer, row_stride=row_stride, block_stride=block_stride)
+        back = unpack_cache(cache, kv_format)
+        assert torch.equal(back, want), f"[seed {seed}] row_stride={row_stride} pad={pad}"
+        raw = storage_bytes(cache)
+        spec = torch.tensor([v41_value(kv_format, raw, *v41_token_at(kv_format, 6, block_stride, pitch, b, t))
+                             for b in range(3) for t in range(6)], dtype=torch.float64).view(3, 6, 512)
+        assert torch.equal(back.double(), spec), f"[seed {seed}] row_stride={row_stride} pad={pad}"
+
+
+def test_v41_default_block_strides():
+    """FlashInfer's tight footer blocks (P * 528, P * 288) and inline records back to back."""
+    for page in (1, 2, 7, 64):
+        assert default_block_stride(get_format("v41_fp8"), page) == page * 528
+        assert default_block_stride(get_format("v41_nvfp4"), page) == page * 288
+        assert default_block_stride(get_format("v41_fp8_inline"), page) == page * 528
+        assert default_block_stride(get_format("v41_nvfp4_inline"), page, 320) == page * 320
+
+
+@pytest.mark.parametrize("kv_format", V41_NVFP4_FORMATS)
+def test_v41_nvfp4_nibble_order_is_low_nibble_first(kv_format):
+    """Element 2i in the low nibble of byte i, 2i + 1 in the high one: in the packer's bytes of
+    token 1 (where the layout puts its data) and in the reader's values of a hand-made block."""
+    latent = torch.zeros(1, 2, 512)
+    latent[0, 1, :4] = torch.tensor([6.0, 0.5, -1.0, 3.0])  # s = e4m3(6 / 6) = 1: codes 7, 1, 0xA, 5
+    for writer in WRITERS[kv_format]:
+        raw = storage_bytes(pack_latent(latent, kv_format, writer=writer, fill=FILL))
+        row, scale_at = v41_token_at(kv_format, 2, 2 * 288, 288, 0, 1)
+        assert raw[row:row + 2] == bytes([0x17, 0x5A]) and raw[row + 2:row + 256] == bytes(254), writer
+        assert raw[scale_at] == 0x38 and raw[scale_at + 1:scale_at + 32] == b"\x01" * 31, writer  # 1; zeros: 2**-9
+    data = bytes([0x17, 0xA5]) + bytes(254)
+    cache = v41_block(kv_format, [(bytes(256), b"\x38" * 32), (data, b"\x38" * 32)])
+    back = unpack_cache(cache, kv_format)[0, 1]
+    assert back[:4].tolist() == [6.0, 0.5, 3.0, -1.0] and (back[4:] == 0).all()
+
+
+@pytest.mark.parametrize("kv_format", V41_NVFP4_FORMATS)
+def test_every_e2m1_code_decodes_in_v41_rows(kv_format):
+    """The 16 nibbles (pairs 0..15 in 8 bytes) read as +-{0, 0.5, 1, 1.5, 2, 3, 4, 6} times the
+    group's scale (1 in token 0, 2 in token 1), -0 kept."""
+    want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    data = bytes([(2 * i) | (2 * i + 1) << 4 for i in range(8)]) + bytes(248)
+    cache = v41_block(kv_format, [(data, b"\x38" * 32), (data, b"\x40" * 32)])
+    back = unpack_cache(cache, kv_format)[0]
+    for t, s in ((0, 1.0), (1, 2.0)):
+        assert back[t, :16].tolist() == [v * s for v in want]
+        assert torch.equal(torch.signbit(back[t, :16]), torch.arange(16) >= 8)
+        assert (back[t, 16:] == 0).all()
+
+
+@pytest.mark.parametrize("kv_format", V41_NVFP4_FORMATS)
+def test_v41_nvfp4_scale_edge_values(kv_format):
+    """E4M3 scale bytes 0 (the group reads 0), 0x01 (2**-9, the smallest subnormal), 0x7E (448)
+    decode exactly; and the V4.1 writers reach 2**-9 where amax / 6 is below it (the clamp: no
+    scale 0) and 448 at and past amax 6 * 448 (codes saturated at 6)."""
+    fmt = get_format(kv_format)
+    records = bytes([0x00, 0x01, 0x7E]) + b"\x38" * 29
+    assert decode_scales(fmt, torch.tensor([list(records)], dtype=torch.uint8))[0, :3].tolist() == [0.0, 2.0**-9,
+                                                                                                    448.0]
+    groups = unpack_cache(v41_block(kv_format, [(b"\x77" * 256, records)]), kv_format).view(32, 16)  # codes 6
+    assert (groups[0] == 0).all() and (groups[1] == 6 * 2.0**-9).all() and (groups[2] == 2688.0).all()
+    assert (groups[3:] == 6.0).all()
+
+    latent = torch.zeros(1, 1, 512)
+    latent[0, 0, 0:2] = torch.tensor([6 * 2.0**-10, -2.0**-12])  # amax / 6 = 2**-10 < 2**-9: clamped
+    latent[0, 0, 16:18] = torch.tensor([2688.0, -2.0])  # amax / 6 = 448
+    latent[0, 0, 32:34] = torch.tensor([-1e6, 2000.0])  # past 448: 448, codes -6 and 4
+    for writer in WRITERS[kv_format]:
+        raw = storage_bytes(pack_latent(latent, kv_format, writer=writer, fill=FILL))
+        assert list(raw[256:259]) == [0x01, 0x7E, 0x7E], writer
+        # 2**-10 * 6 / 2**-9 = 3 (code 5), -2**-12 / 2**-9 = -0.125 (-0: 8); 2688 / 448 = 6, -2 / 448 -> -0;
+        # -1e6 / 448 saturates at -6 (0xF), 2000 / 448 = 4.46 -> 4 (6)
+        assert raw[0] == 0x85 and raw[8] == 0x87 and raw[16] == 0x6F, writer
+        codes, scales, _ = quantize_latent(latent[0, 0], kv_format, writer)
+        assert scales[:3].tolist() == [2.0**-9, 448.0, 448.0] and (scales[3:] == 2.0**-9).all(), writer
+        back = unpack_cache(pack_latent(latent, kv_format, writer=writer), kv_format).flatten()
+        assert back[[0, 1, 16, 32, 33]].tolist() == [3 * 2.0**-9, -0.0, 2688.0, -2688.0, 1792.0], writer
+
+
+@pytest.mark.parametrize("kv_format", list(V41_LAYOUT))
+def test_v41_all_zero_groups(kv_format):
+    """An all-zero group: FP8, the smallest scale of the writer's floor (FlashInfer 2**-13,
+    byte 114; b12x 2**-22, byte 105) and zero codes; FP4, scale byte 0x01 (the 2**-9 clamp)
+    and zero codes. A group of -0s keeps the sign of each zero (e4m3 0x80, e2m1 nibble 8). Each
+    reads back as zeros; the neighbouring groups are untouched."""
+    fmt = get_format(kv_format)
+    seed = seed_for(f"v41 zero groups {kv_format}")
+    latent = torch.randn(1, 1, 512, generator=torch.Generator().manual_seed(seed)) * 10
+    g = fmt.scale_group
+    latent[0, 0, g:2 * g] = 0.0
+    latent[0, 0, 2 * g:3 * g] = -0.0
+    floors = {"flashinfer": 114, "b12x": 105}
+    for writer in WRITERS[kv_format]:
+        raw = storage_bytes(pack_latent(latent, kv_format, writer=writer, fill=FILL))
+        row, scale_at = v41_token_at(kv_format, 1, 0, 0, 0, 0)
+        zero_scale = 0x01 if fmt.e2m1 else floors[writer]
+        assert raw[scale_at + 1] == raw[scale_at + 2] == zero_scale, f"[seed {seed}] {writer}"
+        assert raw[scale_at] != zero_scale and raw[scale_at + 3] != zero_scale, f"[seed {seed}] {writer}"
+        width = g // 2 if fmt.e2m1 else g  # bytes per group
+        assert raw[row + width:row + 2 * width] == bytes(width), f"[seed {seed}] {writer}"
+        assert raw[row + 2 * width:row + 3 * width] == (b"\x88" if fmt.e2m1 else b"\x80") * width, writer
+        back = unpack_cache(pack_latent(latent, kv_format, writer=writer), kv_format).flatten()
+        assert (back[g:3 * g] == 0).all() and torch.signbit(back[2 * g:3 * g]).all(), f"[seed {seed}] {writer}"
+        assert not torch.signbit(back[g:2 * g]).any() and (back[:g] != 0).any()
+
+
+@pytest.mark.parametrize("kv_format", list(V41_LAYOUT))
+def test_v41_nan_and_inf_groups(kv_format):
+    """FlashInfer's V4.1 writers poison a group that holds NaN or Inf. FP8: a NaN gives scale
+    byte 0xFF and every code 0x7F; an Inf (no NaN) scale byte 0xFF, code 0x7F for each Inf
+    element (of either sign) and +-0 for the rest. FP4: scale byte 0x7F and every code 0. The
+    scales round-trip (inf, NaN), each such group reads back as NaN throughout, and the other
+    groups are as for a finite latent."""
+    fmt = get_format(kv_format)
+    seed = seed_for(f"v41 nan inf {kv_format}")
+    latent = torch.randn(1, 2, 512, generator=torch.Generator().manual_seed(seed)) * 3
+    g = fmt.scale_group
+    latent[0, 1, g + 3] = math.nan  # group 1: a NaN
+    latent[0, 1, 2 * g] = math.inf  # group 2: +Inf and -Inf among finite values of either sign
+    latent[0, 1, 2 * g + 5] = -math.inf
+    latent[0, 1, 2 * g + 1] = -0.0
+    latent[0, 1, 3 * g + 1] = -math.inf  # group 3: Inf and NaN
+    latent[0, 1, 3 * g + 2] = math.nan
+    bad = [1, 2, 3]
+    finite = latent.clone()
+    finite[0, 1, g:4 * g] = 1.0
+    raw = storage_bytes(pack_latent(latent, kv_format, fill=FILL))
+    ref_raw = storage_bytes(pack_latent(finite, kv_format, fill=FILL))
+    row, scale_at = v41_token_at(kv_format, 2, 2 * TOKEN_BYTES.get(kv_format, fmt.row_bytes), fmt.row_bytes, 0, 1)
+    width = g // 2 if fmt.e2m1 else g
+    x = latent[0, 1].tolist()
+    for k in bad:
+        data = raw[row + k * width:row + (k + 1) * width]
+        spec_scale, spec_codes = expected_group(kv_format, "flashinfer", x[k * g:(k + 1) * g])
+        if fmt.e2m1:
+            assert raw[scale_at + k] == 0x7F and data == bytes(width), f"[seed {seed}] group {k}"
+            assert spec_scale == b"\x7f" and spec_codes == [0] * g
+        elif k == 2:
+            want = [0x7F if math.isinf(v) else (0x80 if math.copysign(1, v) < 0 else 0) for v in x[k * g:(k + 1) * g]]
+            assert raw[scale_at + k] == 0xFF and list(data) == want == spec_codes, f"[seed {seed}]"
+            assert data[0] == data[5] == 0x7F and data[1] == 0x80 and 0 in data and 0x80 in data[2:]
+        else:
+            assert raw[scale_at + k] == 0xFF and data == b"\x7f" * width, f"[seed {seed}] group {k}"
+            assert spec_codes == [0x7F] * g
+        assert raw[scale_at + k] == spec_scale[0]
+    good = [k for k in range(fmt.num_scales) if k not in bad]
+    for k in good:  # untouched: the bytes of the finite latent
+        assert raw[scale_at + k] == ref_raw[scale_at + k]
+        assert raw[row + k * width:row + (k + 1) * width] == ref_raw[row + k * width:row + (k + 1) * width]
+    _, scales, _ = quantize_latent(latent, kv_format)
+    if fmt.e2m1:
+        assert torch.isnan(scales[0, 1, bad]).all()
+    else:
+        assert torch.isposinf(scales[0, 1, bad]).all()
+    back = unpack_cache(pack_latent(latent, kv_format), kv_format).reshape(2, fmt.num_scales, g)
+    assert torch.isnan(back[1, bad]).all(), f"[seed {seed}]"
+    assert torch.isfinite(back[1, good]).all() and torch.isfinite(back[0]).all()
+    assert torch.equal(back[1, good], unpack_cache(pack_latent(finite, kv_format), kv_format).reshape(
+        2, fmt.num_scales, g)[1, good])
+
+
+@pytest.mark.parametrize("footer", list(INLINE_OF))
+def test_v41_inline_and_footer_read_back_identically(footer):
+    """The same latent packed with footer scales and with inline records (rows 528 / 288 apart
+    and wider) reads back the same, by every writer, through ``unpack_cache`` and ``gather_slots``."""
+    inline = INLINE_OF[footer]
+    seed = seed_for(f"v41 inline footer {footer}")
+    gen = torch.Generator().manual_seed(seed)
+    latent = (torch.randn(4, 8, 512, generator=gen)
+              * torch.exp2(torch.randint(-8, 8, (4, 8, 1), generator=gen).float())).bfloat16()
+    pitch = get_format(inline).row_pitches[0]
+    slots = torch.randint(0, 32, (5, 7), generator=gen)
+    for writer in WRITERS[footer]:
+        a = unpack_cache(pack_latent(latent, footer, writer=writer), footer)
+        for row_stride in (pitch, pitch + 32):
+            packed = pack_latent(latent, inline, writer=writer, row_stride=row_stride)
+            assert torch.equal(unpack_cache(packed, inline), a), f"[seed {seed}] {writer} {row_stride}"
+        packed = pack_latent(latent, inline, writer=writer)
+        got = gather_slots(read_cache_view(packed, inline), slots)
+        assert torch.equal(got, gather_slots(read_cache_view(pack_latent(latent, footer, writer=writer), footer),
+                                             slots)), f"[seed {seed}] {writer}"
+        assert torch.equal(got, a.reshape(32, 512)[slots])
+
+
+@pytest.mark.parametrize("kv_format,row_stride", [("v41_fp8_inline", 528), ("v41_fp8_inline", 544),
+                                                  ("v41_nvfp4_inline", 288), ("v41_nvfp4_inline", 320)])
+def test_flat_rows_address_rows_of_the_whole_cache(kv_format, row_stride):
+    """Blocks of P = 5 tokens padded to R = 8 rows: index r reads block r // R, row r % R, the
+    bytes at (r // R) * block_stride + (r % R) * row_stride (checked against the bytes decoded
+    by the specification), the padding rows of every block but the last included (num_slots
+    = (num_blocks - 1) * R + P); b12x's paged slot s, at (s // P) * block_stride + (s % P) *
+    row_stride, is another row there. Unpadded (block_stride = P * row_stride), the flat
+    index and the paged slot name the same bytes."""
+    fmt = get_format(kv_format)
+    seed = seed_for(f"flat rows {kv_format} {row_stride}")
+    gen = torch.Generator().manual_seed(seed)
+    nb, page, rows_per_block = 3, 5, 8
+    block_stride = rows_per_block * row_stride
+    # every row of the storage, padding rows included, holds a token: pack R rows per block and
+    # view the first P of each block as the cache's tokens
+    latent = (torch.randn(nb, rows_per_block, 512, generator=gen)
+              * torch.exp2(torch.randint(-6, 6, (nb, rows_per_block, 1), generator=gen).float()))
+    full = pack_latent(latent, kv_format, row_stride=row_stride)
+    cache = torch.as_strided(full, (nb, page, 1, fmt.row_bytes), (block_stride, row_stride, row_stride, 1))
+    view = read_cache_view(cache, kv_format)
+    assert (view.page_block_size, view.index_page, view.block_stride, view.row_stride) == (page, 8, block_stride,
+                                                                                           row_stride)
+    assert view.num_slots == (nb - 1) * rows_per_block + page == 21
+    raw = storage_bytes(cache)
+    data = V41_LAYOUT[kv_format][1]
+
+    def at(address):
+        return torch.tensor(v41_value(kv_format, raw, address, address + data), dtype=torch.float32)
+
+    got = gather_slots(view, torch.arange(view.num_slots))
+    for r in range(view.num_slots):
+        flat = (r // rows_per_block) * block_stride + (r % rows_per_block) * row_stride
+        assert torch.equal(got[r], at(flat)), f"[seed {seed}] index {r}"
+    assert torch.equal(got, unpack_cache(full, kv_format).reshape(-1, 512)[:21])
+    paged = (page // page) * block_stride + (page % page) * row_stride  # b12x's slot P: block 1, row 0
+    assert torch.equal(got[page], at(page * row_stride)) and not torch.equal(got[page], at(paged))
+    assert torch.equal(got[rows_per_block], at(paged))  # block 1, row 0 is flat row R
+    # the tokens: block b, row t < P, in unpack_cache's [num_blocks, P] order
+    assert torch.equal(unpack_cache(cache, kv_format), unpack_cache(full, kv_format)[:, :page])
+
+    tight = pack_latent(latent[:, :page], kv_format, row_stride=row_stride)
+    view = read_cache_view(tight, kv_format)
+    assert (view.index_page, view.num_slots, view.block_stride) == (page, nb * page, page * row_stride)
+    raw = storage_bytes(tight)
+    got = gather_slots(view, torch.arange(nb * page))
+    for s in range(nb * page):
+        assert torch.equal(got[s], at((s // page) * page * row_stride + (s % page) * row_stride)), f"[seed {seed}]"
+
+
+def test_flat_row_blocks_must_be_whole_rows():
+    """A flat-row cache whose block stride is no whole number of its rows is refused (reader and
+    packer) with the stride to pad to; one-token blocks are rows themselves (R = 1, the row
+    stride is the block stride, as FlashInfer takes the pitch of one-row pages); a lone
+    block's stride is no distance and is taken as whole rows."""
+    base = torch.zeros(3 * 4 * 528 + 64, dtype=torch.uint8)
+    bad = torch.as_strided(base, (3, 4, 1, 528), (4 * 528 + 16, 528, 528, 1))
+    with pytest.raises(CacheLayoutError, match=r"block stride 2128 bytes is not a whole number of 528-byte rows: "
+                                               r"v41_fp8_inline indices count rows of the whole cache .* pad blocks to "
+                                               r"a multiple of the row stride \(e\.g\. 2640 bytes\)"):
+        read_cache_view(bad, "v41_fp8_inline")
+    assert read_cache_view(bad, "glm_nope_fp8").index_page == 4  # paged addressing takes any stride
+    with pytest.raises(ValueError, match="block_stride: block stride 2128 bytes is not a whole number"):
+        pack_latent(torch.zeros(3, 4, 512), "v41_fp8_inline", block_stride=4 * 528 + 16)
+    with pytest.raises(ValueError, match="not a whole number of 320-byte rows"):
+        pack_latent(torch.zeros(3, 4, 512), "v41_nvfp4_inline", row_stride=320, block_stride=5 * 288)
+
+    gen = torch.Generator().manual_seed(seed_for("flat rows one-token blocks"))
+    latent = torch.randn(4, 1, 512, generator=gen)
+    one = pack_latent(latent, "v41_nvfp4_inline", block_stride=304)  # 304: no whole number of 288-byte rows
+    view = read_cache_view(one, "v41_nvfp4_inline")
+    assert (view.row_stride, view.block_stride, view.index_page, view.num_slots) == (304, 304, 1, 4)
+    assert torch.equal(gather_slots(view, torch.arange(4)), unpack_cache(pack_latent(latent, "v41_nvfp4_inline"),
+                                                                         "v41_nvfp4_inline").reshape(4, 512))
+    lone = torch.as_strided(torch.zeros(3 * 528 + 16, dtype=torch.uint8), (1, 3, 1, 528), (3 * 528 + 16, 528, 528, 1))
+    view = read_cache_view(lone, "v41_fp8_inline")
+    assert (view.block_stride, view.index_page, view.num_slots) == (4 * 528, 4, 3)
+
+
+def test_widths_528_and_288_need_the_format_named():
+    """528 bytes (GLM-5.3, V4.1 FP8 footer or inline) and 288 (V4.1 NVFP4 footer or inline) are
+    refused without ``kv_format``, naming the candidates, in 4-D and 2-D views; 384 still reads
+    as MODEL1 NVFP4."""
+    with pytest.raises(CacheLayoutError, match=re.escape("528 bytes wide is ambiguous: pass kv_format= (one of "
+                                                         "['glm_nope_fp8', 'v41_fp8', 'v41_fp8_inline'])")):
+        format_of(torch.zeros(2, 4, 1, 528, dtype=torch.uint8), None)
+    with pytest.raises(CacheLayoutError, match=re.escape("288 bytes wide is ambiguous: pass kv_format= (one of "
+                                                         "['v41_nvfp4', 'v41_nvfp4_inline'])")):
+        format_of(torch.zeros(2, 1, 4, 288, dtype=torch.uint8), None)
+    with pytest.raises(CacheLayoutError, match=re.escape("its 2112 bytes per block fit ['glm_nope_fp8', 'v41_fp8', "
+                                                         "'v41_fp8_inline']")):
+        read_cache_view(torch.zeros(2, 4 * 528, dtype=torch.uint8))
+    with pytest.raises(CacheLayoutError, match=re.escape("1440 bytes per block is read as ['v41_nvfp4', "
+                                                         "'v41_nvfp4_inline'] only where kv_format= names it")):
+        read_cache_view(torch.zeros(2, 5 * 288, dtype=torch.uint8))
+    assert format_of(torch.zeros(2, 4, 1, 384, dtype=torch.uint8), None).name == "model1_nvfp4"
+    for name in V41_LAYOUT:
+        assert format_of(torch.zeros(2, 4, 1, get_format(name).view_widths[0], dtype=torch.uint8), name).name == name
+
+
+def test_extra_format_of():
+    """The extra cache's format: named (and checked), else the main's own where the width is
+    one of its views', else what its own width names, else the one paired format that fits
+    (V4.1's 288-byte rows: footer beside footer, inline beside inline); widths still ambiguous
+    refused naming the formats the main combines with that fit."""
+    def cache(width, dim=4):
+        return torch.zeros(2, 4, 1, width, dtype=torch.uint8) if dim == 4 else torch.zeros(2, 4 * width,
+                                                                                           dtype=torch.uint8)
+    fmt = get_format
+    assert extra_format_of(cache(528), fmt("v41_fp8"), None).name == "v41_fp8"  # same format
+    assert extra_format_of(cache(528), fmt("v41_fp8_inline"), None).name == "v41_fp8_inline"
+    assert extra_format_of(cache(528, 2), fmt("v41_fp8"), None).name == "v41_fp8"
+    assert extra_format_of(cache(584), fmt("model1_fp8"), None).name == "model1_fp8"
+    assert extra_format_of(cache(384), fmt("model1_fp8"), None).name == "model1_nvfp4"  # by its own width
+    assert extra_format_of(cache(584), fmt("model1_nvfp4"), None).name == "model1_fp8"
+    assert extra_format_of(cache(528), fmt("v41_fp8"), "v41_fp8_inline").name == "v41_fp8_inline"  # named
+    assert extra_format_of(cache(528), fmt("v41_fp8_inline"), "v41_fp8").name == "v41_fp8"
+    for main, paired in (("v41_fp8", "v41_nvfp4"), ("v41_fp8_inline", "v41_nvfp4_inline")):
+        assert extra_format_of(cache(288), fmt(main), "v41_nvfp4_inline").name == "v41_nvfp4_inline"
+        assert extra_format_of(cache(288, 2), fmt(main), "v41_nvfp4").name == "v41_nvfp4"
+        for dim in (4, 2):  # the one NVFP4 record of the main's scale placement
+            assert extra_format_of(cache(288, dim), fmt(main), None).name == paired
+    with pytest.raises(CacheLayoutError, match="extra_kv_format must be one of"):
+        extra_format_of(cache(288), fmt("v41_fp8"), "v41_fp4")
+    with pytest.raises(CacheLayoutError, match=re.escape("an extra cache of 528-byte rows fits none of the formats a "
+                                                         "model1_fp8 main cache combines with (['model1_fp8', "
+                                                         "'model1_nvfp4'])")):
+        extra_format_of(cache(528), fmt("model1_fp8"), None)
+    with pytest.raises(CacheLayoutError, match="528 bytes wide is ambiguous: pass kv_format="):
+        extra_format_of(cache(528), fmt("v32_fp8"), None)  # a format no model pairs: as format_of

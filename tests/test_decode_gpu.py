@@ -1,5 +1,6 @@
-"""The decode kernels on DeepSeek-V4's caches (MODEL1 FP8, and NVFP4: ``NVFP4_CASES``) against
-the float64 reference, on a CUDA GPU (skipped without one).
+"""The decode kernels on DeepSeek-V4's caches (MODEL1 FP8, and NVFP4: ``NVFP4_CASES``), on
+DeepSeek-V4.1's own records (``V41_CASES``) and on both models' pairings of two formats
+(``MIXED_CASES``) against the float64 reference, on a CUDA GPU (skipped without one).
 
 Every case draws its random inputs from its own fixed seed (printed on failure), poisons the
 outputs (NaN) before the launch, leaves NaN bytes in cache blocks nobody selected and in the
@@ -16,6 +17,9 @@ import pytest
 import torch
 
 from cute_kernels.arch import arch_for_capability
+from cute_kernels.sparse_mla_decode.cache_format import read_cache_view
+from cute_kernels.sparse_mla_decode.config import precisions_of
+from cute_kernels.sparse_mla_decode.kv_format import get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode, validate_call
 from dispatch.selection import select_kernels
@@ -54,7 +58,8 @@ class Case:
     spread: int = 0  # tokens' magnitudes differ by up to 2**(2 * spread) (their scale bytes by 2 * spread)
     tiny: bool = False  # the bottom scales and rope 0 in every cache (``make_cache``), q scaled up to match
     invalid_prefix: int = 0  # the first this many entries of every token are -1
-    kv_format: str = "model1_fp8"  # both caches' format
+    kv_format: str = "model1_fp8"  # the main cache's format
+    extra_kv_format: str | None = None  # the extra cache's (None: the main's)
 
     def __str__(self):
         fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
@@ -123,8 +128,57 @@ NVFP4_CASES = [_nvfp4(c) for c in CASES] + [
 ]
 
 
+# DeepSeek-V4.1's records: the 528-byte FP8 rows (UE8M0 per 32 dims, footer or inline scales,
+# the inline ones addressed as flat rows) alone and with the 288-byte NVFP4 extra rows; heads
+# {1, 8, 16, 64, 128}, topk {1, 100, 512, 1152}, extra topk up to 8192, pages {2, 32, 37, 64, 256},
+# padded blocks (flat rows R = block stride / pitch > P)
+V41_CASES = [
+    Case(T=1, H=16, topk=128, kv_format="v41_fp8"),
+    Case(T=5, H=8, topk=100, page=37, num_blocks=60, invalid=0.2, kv_format="v41_fp8"),
+    Case(T=7, H=4, topk=100, page=37, num_blocks=60, invalid=0.2, lengths="edge", kv_format="v41_fp8_inline",
+         block_stride=(37 + 3) * 528),
+    Case(T=65, H=1, topk=1, empty_tokens=True, kv_format="v41_fp8_inline"),
+    Case(T=6, H=32, topk=512, spread=8, sink="finite", kv_format="v41_fp8"),
+    Case(T=4, H=16, topk=192, extra_topk=64, tiny=True, kv_format="v41_fp8"),
+    Case(T=64, H=32, topk=512, invalid_prefix=40, spread=8, kv_format="v41_fp8_inline"),
+    Case(T=8, H=128, topk=1024, sink="mixed", invalid=0.1, kv_format="v41_fp8"),
+    Case(T=3, H=64, topk=1152, extra_topk=512, extra_page=32, extra_blocks=80, sink="mixed", invalid=0.1,
+         lengths="random", extra_lengths="edge", kv_format="v41_fp8"),
+    Case(T=3, H=64, topk=1152, extra_topk=512, extra_page=32, extra_blocks=80, sink="mixed", invalid=0.1,
+         lengths="random", extra_lengths="edge", kv_format="v41_fp8", extra_kv_format="v41_nvfp4"),
+    Case(T=2, H=128, topk=512, extra_topk=8192, extra_page=256, extra_blocks=40, invalid=0.05, sink="-inf",
+         kv_format="v41_fp8_inline", extra_kv_format="v41_nvfp4_inline", block_stride=(64 + 16) * 528),
+    Case(T=7, H=16, topk=100, extra_topk=300, extra_page=2, extra_blocks=300, lengths="edge", extra_lengths="edge",
+         empty_tokens=True, kv_format="v41_fp8_inline"),
+    Case(T=300, H=64, topk=128, extra_topk=64, extra_page=2, extra_blocks=300, sink="mixed", lengths="edge",
+         extra_lengths="random", invalid=0.1, kv_format="v41_fp8_inline", extra_kv_format="v41_nvfp4_inline"),
+]
+# DeepSeek-V4's FP8 and NVFP4 records, one for each cache (a partial kernel per list, then the merge)
+MIXED_CASES = [
+    Case(T=4, H=16, topk=128, extra_topk=512, extra_kv_format="model1_nvfp4"),
+    Case(T=4, H=16, topk=128, extra_topk=512, kv_format="model1_nvfp4", extra_kv_format="model1_fp8"),
+    Case(T=2, H=8, topk=128, extra_topk=8192, extra_page=64, extra_blocks=160, invalid=0.05,
+         kv_format="model1_nvfp4", extra_kv_format="model1_fp8"),
+    Case(T=16, H=128, topk=256, extra_topk=512, extra_page=256, extra_blocks=8, empty_tokens=True, sink="finite",
+         extra_kv_format="model1_nvfp4"),
+    Case(T=5, H=1, topk=1, extra_topk=100, extra_page=2, extra_blocks=300, lengths="edge", extra_lengths="random",
+         sink="+inf", extra_kv_format="model1_nvfp4"),
+    Case(T=7, H=32, topk=64, extra_topk=0, extra_kv_format="model1_nvfp4"),  # an empty extra list: one kernel
+    Case(T=3, H=16, topk=128, extra_topk=256, spread=8, sink="finite", lengths="random", kv_format="model1_nvfp4",
+         extra_kv_format="model1_fp8"),
+]
+
+
 def _on(t, device):
     return None if t is None else t.to(device)
+
+
+def _index_space(cache, fmt_name: str) -> dict:
+    """``make_indices``' arguments for a cache's indices: the rows per block an index counts
+    (``CacheView.index_page``: P, or R for a flat-row format's padded blocks) and the indices
+    inside the cache."""
+    view = read_cache_view(cache, fmt_name)
+    return dict(index_page=view.index_page, num_slots=view.num_slots)
 
 
 def build_inputs(case: Case, device, seed: int):
@@ -133,8 +187,8 @@ def build_inputs(case: Case, device, seed: int):
     cache = make_cache(case.num_blocks, case.page, device=device, poison_blocks=POISON_BLOCKS,
                        layout=case.layout, block_stride=case.block_stride, gen=gen, spread=case.spread,
                        tiny=case.tiny, kv_format=case.kv_format)
-    idx = make_indices(case.T, case.topk, case.num_blocks * case.page, device=device, usable_blocks=usable,
-                       page=case.page, invalid_frac=case.invalid, gen=gen)
+    idx = make_indices(case.T, case.topk, device=device, usable_blocks=usable, page=case.page,
+                       invalid_frac=case.invalid, gen=gen, **_index_space(cache, case.kv_format))
     if case.duplicates:
         idx = idx[:, :1].expand(-1, case.topk).contiguous()
     if case.empty_tokens:
@@ -147,19 +201,21 @@ def build_inputs(case: Case, device, seed: int):
         kv_format=case.kv_format,
     )
     if case.extra_topk is not None:
+        extra_format = case.extra_kv_format or case.kv_format
         e_usable = [b for b in range(case.extra_blocks) if b not in POISON_BLOCKS]
         kw["extra_kv_cache"] = make_cache(case.extra_blocks, case.extra_page, device=device,
                                           poison_blocks=POISON_BLOCKS, layout=case.extra_layout, gen=gen,
-                                          spread=case.spread, tiny=case.tiny, kv_format=case.kv_format)
-        e_idx = make_indices(case.T, case.extra_topk, case.extra_blocks * case.extra_page, device=device,
-                             usable_blocks=e_usable, page=case.extra_page, invalid_frac=case.invalid, gen=gen)
+                                          spread=case.spread, tiny=case.tiny, kv_format=extra_format)
+        kw["extra_kv_format"] = case.extra_kv_format
+        e_idx = make_indices(case.T, case.extra_topk, device=device, usable_blocks=e_usable, page=case.extra_page,
+                             invalid_frac=case.invalid, gen=gen, **_index_space(kw["extra_kv_cache"], extra_format))
         if case.empty_tokens:
             e_idx[::3] = -1
         kw["extra_indices"] = e_idx
         kw["extra_topk_length"] = _on(lengths_of(case.extra_lengths, case.T, case.extra_topk, gen), device)
     q = torch.randn(case.T, case.H, 512 + case.q_head_pad, generator=gen).to(torch.bfloat16).to(device)
-    if case.tiny:  # scores O(1) on keys of the bottom scales: MODEL1 ~2**-127, NVFP4 ~2**-8 (``make_cache``)
-        q = q * (2.0**118 if case.kv_format == "model1_fp8" else 2.0**6)
+    if case.tiny:  # scores O(1) on keys of the bottom scales: UE8M0 ~2**-127, NVFP4 ~2**-8 (``make_cache``)
+        q = q * (2.0**118 if get_format(case.kv_format).scale_type == "ue8m0" else 2.0**6)
     q = q[..., :512]
     return q, cache, idx, kw
 
@@ -193,8 +249,12 @@ def run_twice(case: Case, q, idx, call, seed: int) -> list:
 
 
 PRECISIONS = ["bf16", "f16", "fp8", "mxf8"]
-DECODE_CASES = [pytest.param(c, p, id=f"{p}-{c}", marks=[pytest.mark.block_scaled] if p == "mxf8" else [])
-                for c in CASES for p in PRECISIONS] + [pytest.param(c, "f16", id=f"f16-{c}") for c in NVFP4_CASES]
+DECODE_CASES = ([pytest.param(c, p, id=f"{p}-{c}", marks=[pytest.mark.block_scaled] if p == "mxf8" else [])
+                 for c in CASES for p in PRECISIONS]
+                + [pytest.param(c, "f16", id=f"f16-{c}") for c in NVFP4_CASES + V41_CASES + MIXED_CASES]
+                # the "bf16" path reads the V4.1 FP8 records too (not the NVFP4 ones)
+                + [pytest.param(c, "bf16", id=f"bf16-{c}") for c in V41_CASES
+                   if "bf16" in precisions_of(get_format(c.extra_kv_format or c.kv_format))])
 
 
 @pytest.mark.parametrize("case,precision", DECODE_CASES)
@@ -217,7 +277,7 @@ def test_decode_matches_reference(case: Case, precision: str):
 
 # "f16" with two head groups (32-head CTAs): what the dispatch picks on sm_120 for many heads
 # (``head_groups_for``), forced here on whatever GPU runs the suite
-TWO_GROUP_CASES = [c for c in CASES + NVFP4_CASES if c.H > 16] + [
+TWO_GROUP_CASES = [c for c in CASES + NVFP4_CASES + V41_CASES + MIXED_CASES if c.H > 16] + [
     Case(T=4, H=48, topk=512, extra_topk=128, sink="mixed", invalid=0.1, lengths="edge", extra_lengths="random"),
     Case(T=3, H=20, topk=96, empty_tokens=True, sink="-inf", spread=8),
     Case(T=3, H=20, topk=96, empty_tokens=True, sink="-inf", spread=8, kv_format="model1_nvfp4"),
@@ -231,20 +291,21 @@ def _forced_f16_plan_matches_reference(case: Case, what: str, overrides: PlanOve
     seed = seed_for(f"f16 {what} {case}")
     q, cache, idx, kw = build_inputs(case, device, seed)
     plans = []
-    # the plan fixes the tensors' layouts (and the format) only
-    tensors = {k: v for k, v in kw.items() if k not in ("sm_scale", "kv_format")}
+    # the plan fixes the tensors' layouts (and the formats) only
+    tensors = {k: v for k, v in kw.items() if k not in ("sm_scale", "kv_format", "extra_kv_format")}
 
     def call(q, idx, out, lse):
         if not plans:
             plans.append(plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision="f16", overrides=overrides,
-                                                kv_format=kw["kv_format"], **tensors))
+                                                kv_format=kw["kv_format"], extra_kv_format=kw.get("extra_kv_format"),
+                                                **tensors))
         plan = plans[0]
         plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
 
     outs = run_twice(case, q, idx, call, seed)
     plan = plans[0]
     check_case(case, "f16", seed, outs, q, cache, idx, kw,
-               f"f16 {what} (forced) splits={plan.split.num_splits} chunks/split={plan.split.chunks_per_split}")
+               f"f16 {what} (forced) splits={plan.num_splits} chunks/split={plan.split.chunks_per_split}")
     return plan
 
 
@@ -274,7 +335,7 @@ def test_f16_two_head_groups_with_register_bound_match_reference(case: Case):
 # rope warp issues the indices one chunk further ahead (``tuning.f16_late_indices``), which
 # only splits of more than stages + 1 = 4 chunks reach (7 of these cases have 6-16 per split
 # on the H200; T=16 x 128 and the last one cross from the main list into the extra one there)
-FREE_KERNEL_CASES = [c for c in CASES + NVFP4_CASES if c.T >= 8 and c.H >= 32] + [
+FREE_KERNEL_CASES = [c for c in CASES + NVFP4_CASES + V41_CASES + MIXED_CASES if c.T >= 8 and c.H >= 32] + [
     Case(T=100, H=16, topk=100, extra_topk=300, extra_page=32, extra_blocks=80, lengths="random", spread=8),
     Case(T=100, H=16, topk=100, extra_topk=300, extra_page=32, extra_blocks=80, lengths="random", spread=8,
          kv_format="model1_nvfp4"),

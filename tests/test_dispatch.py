@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
-from cute_kernels.sparse_mla_decode.cache_format import e2m1_decode, read_cache_view
-from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
-from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E, PARTIAL_ARGS
+from cute_kernels.sparse_mla_decode.cache_format import e2m1_decode, page_division_magic, read_cache_view
+from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig, merge_batch_for
+from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E, MERGE_ARGS, PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.kv_format import (
-    EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, MODEL1_NVFP4, V32_FP8, get_format,
+    EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, MODEL1_NVFP4, V32_FP8, V41_FP8,
+    V41_NVFP4, get_format,
 )
 from dispatch import InvalidDecodeInput, kv_formats, sparse_mla_decode
 from dispatch.adapters import (
@@ -30,12 +31,14 @@ from dispatch.metadata import GENERIC_MODEL_TYPE, DecodeMetadata
 from dispatch.plan import RUN_TENSORS, DecodePlan
 from dispatch.plan_cache import PlanCache, layout_key
 from dispatch.registry import (
-    DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SM_COUNTS, H200_SMEM_PER_SM, SM120_SMEM_PER_SM, deployment_calls, registry_calls,
-    registry_variants,
+    DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SHAPES, DEPLOYMENT_SM_COUNTS, H200_SMEM_PER_SM, SM120_SMEM_PER_SM,
+    deployment_calls, registry_calls, registry_variants,
 )
+from dispatch.selection import PlanOverrides, select_kernels
 from dispatch.splits import MAX_SPLITS, SplitPlan, plan_splits, resident_ctas_per_sm, two_ctas_per_sm
 from dispatch.variants import (
-    head_groups_for, partial_shape_config, precisions_for, resolve_precision, variant_space, variants_for,
+    KernelVariant, format_precisions, head_groups_for, partial_shape_config, precisions_for, resolve_precision,
+    variant_space, variants_for,
 )
 from dispatch.testing import make_cache, make_indices
 
@@ -59,8 +62,13 @@ def test_variant_keys_follow_the_metadata(kv_format):
         (final,) = variants_for(md, "sm_120a", num_splits=1, head_groups=1)  # one split: no merge, sink in the epilogue
         assert final.config == PartialConfig(kv_format=kv_format, has_topk_length=a, has_extra_topk_length=b,
                                              final_output=True, has_sink=s)
+        # one list of a call of two formats: split partials even for one split, merged
+        lone, lone_merge = variants_for(md, "sm_120a", num_splits=1, head_groups=1, split_mode=True)
+        assert lone == partial and lone_merge.config == MergeConfig(has_sink=s, split_batch=8), (lone, lone_merge)
         space = variant_space("sm_120a")
-        assert partial in space and merge in space and final in space
+        assert partial in space and merge in space
+        # a format read only as an extra cache runs in split mode alone (a list of a two-format call)
+        assert (final in space) == (kv_format not in EXTRA_ONLY_FORMATS), final.name
 
 
 def test_variants_need_the_format():
@@ -234,13 +242,20 @@ Q576 = torch.randn(2, 16, 576).to(torch.bfloat16)
 V32 = dict(q=Q576, kv_cache=V32_CACHE)
 NVFP4_CACHE = make_cache(4, 64, device="cpu", kv_format="model1_nvfp4", gen=_GEN)  # [4, 64, 1, 384]
 NVFP4 = dict(kv_cache=NVFP4_CACHE)
+V41_CACHE = make_cache(4, 64, device="cpu", kv_format=V41_FP8.name, gen=_GEN)  # [4, 64, 1, 528]
+V41_NVFP4_CACHE = make_cache(2, 64, device="cpu", kv_format=V41_NVFP4.name, gen=_GEN)  # [2, 64, 1, 288]
+V41 = dict(kv_cache=V41_CACHE)
+_EXTRA_IDX = torch.zeros(2, 64, dtype=torch.int32)
 # the refusals whose message starts with another model type than MODEL1's
 PREFIX = {
     "q width 512 on V3.2": V32_FP8.model_type, "q width 576 on GLM-5.3": GLM_NOPE_FP8.model_type,
     "out width on V3.2": V32_FP8.model_type, "cache not of the named format": V32_FP8.model_type,
     "cache width": GENERIC_MODEL_TYPE, "cache width 528 without kv_format": GENERIC_MODEL_TYPE,
     "kv_format unknown": GENERIC_MODEL_TYPE, "extra cache with V3.2": V32_FP8.model_type,
-    "FP8 extra cache with an NVFP4 main": MODEL1_NVFP4.model_type, "precision bf16 on NVFP4": MODEL1_NVFP4.model_type,
+    "precision bf16 on NVFP4": MODEL1_NVFP4.model_type, "V4.1 NVFP4 main cache": V41_NVFP4.model_type,
+    "V4.1 NVFP4 main cache unnamed": GENERIC_MODEL_TYPE, "GLM-5.3 extra cache with a V4.1 main": V41_FP8.model_type,
+    "inline NVFP4 extra cache with a footer V4.1 main": V41_FP8.model_type,
+    "precision bf16 with an NVFP4 extra cache": V41_FP8.model_type,
     "precision mxf8 on V3.2": V32_FP8.model_type, "valid V3.2 call on cpu": V32_FP8.model_type,
     "valid GLM-5.3 call on cpu": GLM_NOPE_FP8.model_type,
 }
@@ -271,10 +286,12 @@ BAD = [
     ("cache width", dict(kv_cache=torch.zeros(4, 64, 1, 600, dtype=torch.uint8)), {},
      "no cache format has 600-byte rows"),
     ("cache width 528 without kv_format", dict(kv_cache=GLM_CACHE), {},
-     "a cache whose rows are 528 bytes wide is ambiguous: pass kv_format= (one of ['glm_nope_fp8'])"),
+     "a cache whose rows are 528 bytes wide is ambiguous: pass kv_format= (one of ['glm_nope_fp8', 'v41_fp8', "
+     "'v41_fp8_inline'])"),
     ("cache not of the named format", {}, dict(kv_format="v32_fp8"), "expected [num_blocks, P, 1, 656]"),
     ("kv_format unknown", {}, dict(kv_format="fp4"),
-     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', 'v32_fp8'], got 'fp4'"),
+     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', 'v32_fp8', 'v41_fp8', 'v41_fp8_inline', "
+     "'v41_nvfp4', 'v41_nvfp4_inline'], got 'fp4'"),
     ("cache stride", dict(kv_cache=torch.as_strided(torch.zeros(4 * 37384, dtype=torch.uint8), (4, 64, 1, 584),
                                                     (37384, 584, 584, 1))), {}, "not a multiple of 16"),
     ("cache bytes strided", dict(kv_cache=torch.zeros(4, 64, 1, 1168, dtype=torch.uint8)[..., ::2]), {},
@@ -289,21 +306,50 @@ BAD = [
     ("extra length alone", {}, dict(extra_topk_length=torch.zeros(2, dtype=torch.int32)), "without extra_kv_cache"),
     ("extra indices int64", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
                                      extra_indices=torch.zeros(2, 64, dtype=torch.int64)), "extra_indices must be int32"),
-    ("extra cache bad", {}, dict(extra_kv_cache=torch.zeros(2, 100, dtype=torch.uint8),
-                                 extra_indices=torch.zeros(2, 64, dtype=torch.int32)), "extra_kv_cache of shape"),
-    ("extra cache of another format", {}, dict(extra_kv_cache=V32_CACHE,
-                                               extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
-     "has v32_fp8 rows: a model1_fp8 main cache combines only with an extra cache of ['model1_fp8']"),
-    ("extra cache with V3.2", V32, dict(extra_kv_cache=V32_CACHE, extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
+    ("extra cache bad", {}, dict(extra_kv_cache=torch.zeros(2, 100, dtype=torch.uint8), extra_indices=_EXTRA_IDX),
+     "extra_kv_cache: an extra cache of 100 bytes per block fits none of the formats a model1_fp8 main cache "
+     "combines with (['model1_fp8', 'model1_nvfp4'])"),
+    ("extra cache of another format", {}, dict(extra_kv_cache=V32_CACHE, extra_indices=_EXTRA_IDX),
+     "extra_kv_cache reads as v32_fp8: a model1_fp8 main cache combines only with an extra cache of "
+     "['model1_fp8', 'model1_nvfp4'] (extra_kv_format= names it)"),
+    ("extra cache with V3.2", V32, dict(extra_kv_cache=V32_CACHE, extra_indices=_EXTRA_IDX),
      "an extra_kv_cache is not served with v32_fp8 caches"),
-    # DeepSeek-V4's two caches in one format: FP8 with FP8, NVFP4 with NVFP4
-    ("NVFP4 extra cache with an FP8 main", {}, dict(extra_kv_cache=NVFP4_CACHE,
-                                                    extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
-     "has model1_nvfp4 rows: a model1_fp8 main cache combines only with an extra cache of ['model1_fp8']"),
-    ("FP8 extra cache with an NVFP4 main", NVFP4, dict(extra_kv_cache=make_cache(2, 64, device="cpu"),
-                                                       extra_indices=torch.zeros(2, 64, dtype=torch.int32)),
-     "has model1_fp8 rows: a model1_nvfp4 main cache combines only with an extra cache of ['model1_nvfp4']"),
+    # the models' pairings only (EXTRA_FORMATS): DeepSeek-V4's two records either way,
+    # DeepSeek-V4.1's FP8 main cache with an FP8 or NVFP4 extra cache of its own records
+    ("V4.1 NVFP4 extra cache with a MODEL1 main", {},
+     dict(extra_kv_cache=V41_NVFP4_CACHE, extra_indices=_EXTRA_IDX, extra_kv_format="v41_nvfp4"),
+     "extra_kv_cache reads as v41_nvfp4: a model1_fp8 main cache combines only with an extra cache of "
+     "['model1_fp8', 'model1_nvfp4'] (extra_kv_format= names it)"),
+    ("288 B extra cache with a MODEL1 main", {}, dict(extra_kv_cache=V41_NVFP4_CACHE, extra_indices=_EXTRA_IDX),
+     "extra_kv_cache: an extra cache of 288-byte rows fits none of the formats a model1_fp8 main cache combines "
+     "with (['model1_fp8', 'model1_nvfp4'])"),
+    ("GLM-5.3 extra cache with a V4.1 main", V41,
+     dict(kv_format="v41_fp8", extra_kv_cache=GLM_CACHE, extra_indices=_EXTRA_IDX, extra_kv_format="glm_nope_fp8"),
+     "extra_kv_cache reads as glm_nope_fp8: a v41_fp8 main cache combines only with an extra cache of "
+     "['v41_fp8', 'v41_nvfp4'] (extra_kv_format= names it)"),
+    # the V4.1 pairs keep one scale placement: footer with footer, inline with inline
+    ("inline NVFP4 extra cache with a footer V4.1 main", V41,
+     dict(kv_format="v41_fp8", extra_kv_cache=V41_NVFP4_CACHE, extra_indices=_EXTRA_IDX,
+          extra_kv_format="v41_nvfp4_inline"),
+     "extra_kv_cache reads as v41_nvfp4_inline: a v41_fp8 main cache combines only with an extra cache of "
+     "['v41_fp8', 'v41_nvfp4'] (extra_kv_format= names it)"),
+    ("V4.1 NVFP4 main cache", dict(kv_cache=V41_NVFP4_CACHE), dict(kv_format="v41_nvfp4"),
+     "v41_nvfp4 is read only as an extra (compressed) cache: pass it as extra_kv_cache beside a main cache of "
+     "['v41_fp8']"),
+    ("V4.1 NVFP4 main cache unnamed", dict(kv_cache=V41_NVFP4_CACHE), {},
+     "288-byte rows are those of ['v41_nvfp4', 'v41_nvfp4_inline'], read only as an extra (compressed) cache: pass "
+     "it as extra_kv_cache beside a main cache of ['v41_fp8', 'v41_fp8_inline']"),
+    ("extra_kv_format unknown", {}, dict(extra_kv_cache=make_cache(2, 64, device="cpu"), extra_indices=_EXTRA_IDX,
+                                         extra_kv_format="fp4"),
+     "extra_kv_cache: extra_kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', 'v32_fp8', "
+     "'v41_fp8', 'v41_fp8_inline', 'v41_nvfp4', 'v41_nvfp4_inline'], got 'fp4'"),
+    ("extra_kv_format alone", {}, dict(extra_kv_format="model1_nvfp4"),
+     "extra_kv_format was given without extra_kv_cache"),
     ("precision bf16 on NVFP4", NVFP4, dict(precision="bf16"), "precision 'bf16' does not read model1_nvfp4 caches"),
+    ("precision bf16 with an NVFP4 extra cache", V41,
+     dict(kv_format="v41_fp8", extra_kv_cache=V41_NVFP4_CACHE, extra_indices=_EXTRA_IDX, extra_kv_format="v41_nvfp4",
+          precision="bf16"),
+     "precision 'bf16' does not read v41_nvfp4 caches (e2m1 values): use one of ('f16',)"),
     ("length int64", {}, dict(topk_length=torch.zeros(2, dtype=torch.int64)), "topk_length must be int32"),
     ("length shape", {}, dict(topk_length=torch.zeros(2, 2, dtype=torch.int32)), "topk_length has shape [2, 2]"),
     ("length rows strided", _BATCHED, dict(topk_length=_STRIDED_ROWS), "topk_length must be contiguous"),
@@ -420,7 +466,12 @@ def test_precision_defaults_and_availability():
         want.update({(f, p): 12 for f in (V32_FP8.name, GLM_NOPE_FP8.name) for p in ("bf16", "f16", "fp8")})
         # NVFP4: "f16" only, the call shapes of MODEL1, held on the H200 as MODEL1's
         want[MODEL1_NVFP4.name, "f16"] = 24 + (24 if arch == "sm_90a" else 0)
-        assert counts == want
+        # V4.1 FP8 (UE8M0 per 32 dims): "f16" and "bf16", MODEL1's call shapes (an extra list
+        # of its own format), never held (288 threads); V4.1 NVFP4, read only as an extra
+        # cache: "f16", split mode alone (2 groups x with or without lengths)
+        want.update({(f, p): 24 for f in ("v41_fp8", "v41_fp8_inline") for p in ("bf16", "f16")})
+        want.update({(f, "f16"): 4 for f in EXTRA_ONLY_FORMATS})
+        assert counts == want, arch
 
 
 def test_precision_a_format_lacks_is_refused_naming_it():
@@ -491,11 +542,13 @@ def test_h200_head_group_rule_only_where_the_f16_kernel_can_be_held():
 
 def _model1_decisions(arch: str) -> tuple:
     """(calls, digest of every MODEL1 registry call's decisions, variants, digest of their names
-    without the format): what the dispatch chose for MODEL1 when it was the only format."""
+    without the format): what the dispatch chose for MODEL1 when it was the only format. The
+    calls are those of MODEL1 caches alone (main and any extra cache MODEL1): a call whose
+    extra cache is NVFP4 runs a kernel per list (``test_a_mixed_call_*``)."""
     h, n = hashlib.sha256(), 0
     for precision in precisions_for(arch):
         for md, splits, groups, two in registry_calls(precision, arch):
-            if md.kv_format == MODEL1:
+            if md.kv_format == MODEL1 and md.extra_kv_format is None:
                 h.update(repr((precision, md.num_tokens, md.num_heads, md.topk, md.page_block_size, md.extra_topk,
                                md.extra_page_block_size, md.has_topk_length, md.has_extra_topk_length, md.has_sink,
                                splits, groups, two)).encode())
@@ -508,8 +561,10 @@ def _model1_decisions(arch: str) -> tuple:
 def test_model1_decisions_are_those_of_the_single_format_dispatch():
     """Adding formats changed no MODEL1 decision: the head groups, splits and register bound of
     every MODEL1 deployment call, and the MODEL1 registry (names less the format), hash to
-    what the dispatch gave before formats existed (recorded from it). A deliberate change of
-    a MODEL1 rule updates these numbers."""
+    what the dispatch gave before formats existed (recorded from it). The names are the whole
+    registry's: no call of another format, nor of two formats (a MODEL1 cache beside an NVFP4
+    one), adds a MODEL1 or merge kernel. A deliberate change of a MODEL1 rule updates these
+    numbers."""
     assert _model1_decisions("sm_120a") == (66048, "030531eb0dc14d9f", 100, "e0c64cd552e91f9f")
     assert _model1_decisions("sm_90a") == (49536, "f787030aff245961", 84, "5e33db607d1e4900")
 
@@ -526,7 +581,7 @@ def _validated(cache, kv_format, **fields) -> ValidatedCall:
 def test_layout_keys_tell_every_layout_apart():
     """The one-shot call's plan cache (``dispatch.plan_cache``) keys a call by its layout:
     tensors that differ only in a stride, a dtype, a device or an optional input, and calls
-    that differ only in the format or precision they name, never share a key (so never a
+    that differ only in the formats or precision they name, never share a key (so never a
     plan); new values in new tensors of the same layout do."""
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(4, 16, 512, generator=gen).bfloat16()
@@ -535,8 +590,8 @@ def test_layout_keys_tell_every_layout_apart():
     out, lse = torch.empty(4, 16, 512, dtype=torch.bfloat16), torch.empty(4, 16)
     lens = torch.full((4,), 100, dtype=torch.int32)
 
-    def key(q=q, cache=cache, idx=idx, lens=None, out=out, kv_format=None, precision=None):
-        return layout_key((q, cache, idx, lens, None, out, lse, None, None, None), kv_format, precision)
+    def key(q=q, cache=cache, idx=idx, lens=None, out=out, kv_format=None, extra_kv_format=None, precision=None):
+        return layout_key((q, cache, idx, lens, None, out, lse, None, None, None), kv_format, extra_kv_format, precision)
 
     base = key()
     assert base == key(q=q.clone(), cache=make_cache(4, 64, device="cpu", gen=gen), idx=idx.clone(), out=out.clone())
@@ -548,6 +603,7 @@ def test_layout_keys_tell_every_layout_apart():
         "out allocated by the call": key(out=None),
         "shape": key(idx=idx[:, :64]),
         "named format": key(kv_format=MODEL1),
+        "named extra format": key(extra_kv_format=MODEL1_NVFP4.name),
         "precision": key(precision="bf16"),
     }
     for what, k in variants.items():
@@ -587,11 +643,20 @@ def test_plan_cache_is_bounded_and_thread_safe():
     assert len(shared) == 0
 
 
-@pytest.mark.parametrize("kv_format,cache", [(MODEL1, None), (V32_FP8.name, V32_CACHE),
-                                             (GLM_NOPE_FP8.name, GLM_CACHE), (GLM_NOPE_FP8.name, GLM_POOL_CACHE)])
-def test_plan_binds_every_kernel_argument_and_the_row_strides(kv_format, cache):
+# V4.1 inline records in blocks padded by two rows: indices count rows of the whole cache (66 a block)
+V41_INLINE_PADDED_CACHE = make_cache(4, 64, device="cpu", kv_format="v41_fp8_inline", block_stride=66 * 528, gen=_GEN)
+
+
+@pytest.mark.parametrize("kv_format,cache,index_page", [
+    (MODEL1, None, 64), (V32_FP8.name, V32_CACHE, 64), (GLM_NOPE_FP8.name, GLM_CACHE, 64),
+    (GLM_NOPE_FP8.name, GLM_POOL_CACHE, 64), (V41_FP8.name, V41_CACHE, 64),
+    ("v41_fp8_inline", V41_INLINE_PADDED_CACHE, 66),
+])
+def test_plan_binds_every_kernel_argument_and_the_row_strides(kv_format, cache, index_page):
     """The plan gives every argument of the partial kernel's schema a value, the row strides
-    those of the cache views (MODEL1: its packed 584-byte rows; GLM-5.3: 528 or 656)."""
+    those of the cache views (MODEL1: its packed 584-byte rows; GLM-5.3: 528 or 656), the page
+    what an index is divided by (``CacheView.index_page``: P, or for flat rows the rows a
+    block stride holds), and a final-mode launch one split and no partial outputs."""
     cache = make_cache(4, 64, device="cpu") if cache is None else cache
     strides = dict(q_t=0, q_h=0, idx_t=0, extra_idx_t=0, main_block=1, main_row=0, main_slots=1, extra_block=1,
                    extra_row=0, extra_slots=1, out_t=0, out_h=0, lse_t=0, lse_h=0)
@@ -599,11 +664,15 @@ def test_plan_binds_every_kernel_argument_and_the_row_strides(kv_format, cache):
     strides.update(main_row=call.main.row_stride, extra_row=call.extra.row_stride)
     call.strides = strides
     plan = types.SimpleNamespace(final=True, num_tokens=1, num_heads=16, topk=32, extra_topk=0,
-                                 split=SplitPlan(1, 1, 1), _o_part_bytes=0)
+                                 split=SplitPlan(1, 1, 1), num_splits=1, _o_part_bytes=0)
     values = DecodePlan._argument_values(plan, call, present={"q", "main", "indices", "out", "lse"})
     assert set(values) == {a.name for a in PARTIAL_ARGS}
     expected = FORMATS[kv_format].bytes_per_token if kv_format == MODEL1 else cache.stride(1)
     assert values["main_row_stride"] == values["extra_row_stride"] == expected
+    assert call.main.index_page == index_page and call.main.page_block_size == 64
+    assert values["main_page"] == values["extra_page"] == index_page, values["main_page"]
+    assert values["main_page_magic"] == page_division_magic(index_page)
+    assert (values["num_splits"], values["launch_splits"], values["o_part"], values["lse_part"]) == (1, 1, 0, 0)
 
 
 # ---------------------------------------------------------------------- the kv_formats module
@@ -625,10 +694,12 @@ def _exact_latent(fmt, num_tokens, gen):
 
 
 def test_kv_formats_lists_every_format_with_its_widths():
-    assert sorted(kv_formats.FORMATS) == ["glm_nope_fp8", "model1_fp8", "model1_nvfp4", "v32_fp8"]
+    assert sorted(kv_formats.FORMATS) == ["glm_nope_fp8", "model1_fp8", "model1_nvfp4", "v32_fp8", "v41_fp8",
+                                          "v41_fp8_inline", "v41_nvfp4", "v41_nvfp4_inline"]
     widths = {name: (f.bytes_per_token, f.d_qk, f.d_v) for name, f in kv_formats.FORMATS.items()}
     assert widths == {"model1_fp8": (584, 512, 512), "v32_fp8": (656, 576, 512), "glm_nope_fp8": (528, 512, 512),
-                      "model1_nvfp4": (384, 512, 512)}
+                      "model1_nvfp4": (384, 512, 512), "v41_fp8": (528, 512, 512), "v41_fp8_inline": (528, 512, 512),
+                      "v41_nvfp4": (288, 512, 512), "v41_nvfp4_inline": (288, 512, 512)}
     assert kv_formats.DEFAULT_FORMAT == MODEL1 and kv_formats.FORMATS[MODEL1] is MODEL1_FP8
     assert all(kv_formats.writers(name) for name in kv_formats.FORMATS)  # each packs as some engine writes it
     doc_rows = {ln.split("|")[1].strip().strip("`"): [c.strip() for c in ln.split("|")[3:6]]
@@ -652,9 +723,18 @@ def test_pack_pads_to_whole_blocks_and_unpack_returns_the_latent(kv_format):
     for writer in kv_formats.writers(kv_format):  # every writer stores this latent exactly
         assert torch.equal(kv_formats.unpack(kv_formats.pack(latent, kv_format, 64, writer=writer),
                                              kv_format).reshape(-1, fmt.d_qk)[:100], latent)
+    q = torch.randn(1, 16, fmt.d_qk).to(torch.bfloat16)
+    idx = torch.zeros(1, 8, dtype=torch.int32)
+    if kv_format in EXTRA_ONLY_FORMATS:  # read only as an extra cache, beside a main cache it pairs with
+        with pytest.raises(InvalidDecodeInput, match="is read only as an extra"):
+            sparse_mla_decode(q, cache, idx, kv_format=kv_format)
+        main = next(m for m, extras in EXTRA_FORMATS.items() if kv_format in extras)
+        args = (q, kv_formats.pack(_exact_latent(FORMATS[main], 16, gen), main, 16), idx)
+        kwargs = dict(kv_format=main, extra_kv_cache=cache, extra_indices=idx, extra_kv_format=kv_format)
+    else:
+        args, kwargs = (q, cache, idx), dict(kv_format=kv_format)
     with pytest.raises(InvalidDecodeInput, match="the kernels run on CUDA devices only"):  # the API accepts it
-        q = torch.randn(1, 16, fmt.d_qk).to(torch.bfloat16)
-        sparse_mla_decode(q, cache, torch.zeros(1, 8, dtype=torch.int32), kv_format=kv_format)
+        sparse_mla_decode(*args, **kwargs)
 
 
 def test_pack_pitch_and_unpack_by_width():
@@ -676,7 +756,8 @@ def test_pack_pitch_and_unpack_by_width():
     ((torch.randn(0, 512), "model1_fp8", 16), {}, "holds no token"),
     ((torch.zeros(10, 512, dtype=torch.int32), "model1_fp8", 16), {}, "must be a floating-point torch.Tensor"),
     ((torch.randn(10, 512), "fp4", 16), {},
-     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', 'v32_fp8']"),
+     "kv_format must be one of ['glm_nope_fp8', 'model1_fp8', 'model1_nvfp4', 'v32_fp8', 'v41_fp8', 'v41_fp8_inline', "
+     "'v41_nvfp4', 'v41_nvfp4_inline']"),
     ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(writer="flashmla"),
      f"writer must be one of {kv_formats.writers('glm_nope_fp8')} for glm_nope_fp8, got 'flashmla'"),
     ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(row_stride=600), "row_stride 600 must be a multiple of 16"),
@@ -805,6 +886,11 @@ def _vllm_dsv4_call(**overrides):
     (dict(sparse_indices=None), "sparse_indices is required"),
     (dict(sparse_topk_lens=torch.zeros(3, dtype=torch.int32)), "sparse_topk_lens or swa_topk_lens, not both"),
     (dict(compressed_kv_cache=None), "compressed_kv_cache and extra_sparse_indices go together"),
+    (dict(compressed_kv_cache=None, extra_sparse_indices=None, extra_sparse_topk_lens=None),
+     "the kernels run on CUDA devices only"),  # no compressed cache
+    # FlashInfer's "fp8" call: the compressed cache is the FP8 record too, never read as NVFP4
+    (dict(compressed_kv_cache=make_cache(4, 64, device="cpu", kv_format="model1_nvfp4")),
+     "[4, 64, 1, 384]: expected [num_blocks, P, 1, 584]"),
     (dict(bmm2_scale=0.5), "bmm2_scale must be 1.0"),
     (dict(num_valid_heads=9), "num_valid_heads must be an int in [1, num_heads], got 9"),
     (dict(num_valid_heads=4, out=None), "num_valid_heads needs out"),
@@ -931,14 +1017,15 @@ def _cpu_plan(monkeypatch, precision="f16", **kwargs):
 def _deployment_call_inputs(md: DecodeMetadata, caches: dict) -> dict:
     """CPU inputs of the call ``md`` describes, as ``validate_call`` takes them. q, out, lse and
     the index lists are broadcast views of one row (the layout checks pass them; a plan never
-    reads them), so that a 4096-token call costs no memory; ``caches``: by (format, page)."""
+    reads them), so that a 4096-token call costs no memory; ``caches``: by (format, page). An
+    extra cache of another format is named (``extra_kv_format``), as its width may not say it."""
     fmt = FORMATS[md.kv_format]
     T, H = md.num_tokens, md.num_heads
 
-    def cache(page):
-        key = (md.kv_format, page)
+    def cache(page, kv_format=md.kv_format):
+        key = (kv_format, page)
         if key not in caches:
-            caches[key] = make_cache(2, page, device="cpu", kv_format=md.kv_format)
+            caches[key] = make_cache(2, page, device="cpu", kv_format=kv_format)
         return caches[key]
 
     def rows(*shape, dtype):
@@ -952,8 +1039,10 @@ def _deployment_call_inputs(md: DecodeMetadata, caches: dict) -> dict:
     if md.has_sink:
         kw["attn_sink"] = torch.zeros(H, dtype=torch.float32)
     if md.extra_topk:
-        kw["extra_kv_cache"] = cache(md.extra_page_block_size)
+        kw["extra_kv_cache"] = cache(md.extra_page_block_size, md.extra_kv_format or md.kv_format)
         kw["extra_indices"] = rows(T, md.extra_topk, dtype=torch.int32)
+        if md.extra_kv_format is not None:
+            kw["extra_kv_format"] = md.extra_kv_format
         if md.has_extra_topk_length:
             kw["extra_topk_length"] = torch.zeros(T, dtype=torch.int32)
     return kw
@@ -973,7 +1062,10 @@ def test_registry_is_what_plans_select(monkeypatch, arch):
     the call as the registry does, selects what ``registry_calls`` yields for it and launches
     only variants of ``registry_variants(arch)``. Both go through ``select_kernels``, so what
     this checks is the path from a call's tensors to that function's inputs (the metadata, SM
-    count, shared memory); the selection itself is pinned by ``test_model1_decisions_*``."""
+    count, shared memory); the selection itself is pinned by ``test_model1_decisions_*``, and
+    is, for a call of one format, ``variants_for``'s, for a call of two formats
+    (``DecodeMetadata.mixed``) ``variants_for``'s for each list in split mode, then a merge of
+    all their splits."""
     from dispatch.api import validate_call
 
     _stub_kernels(monkeypatch)
@@ -991,20 +1083,261 @@ def test_registry_is_what_plans_select(monkeypatch, arch):
             assert call.launch_metadata == md, (call.launch_metadata, md)
             plan = DecodePlan(call)
             what = (precision, sms, md)
-            assert plan.split.num_splits == splits, what
-            assert plan.variants == variants_for(md, arch, splits, groups, precision=precision,
-                                                 two_ctas_per_sm=two), what
+            selection = select_kernels(md, arch, sms, smem_per_sm, precision)
+            assert (plan.num_splits, selection.head_groups, selection.two_ctas_per_sm) == (splits, groups, two), what
+            assert plan.split == selection.split and plan.variants == selection.variants, what
+            if md.mixed:
+                main_md, extra_md = md.list_calls()
+                extra = selection.extra
+                assert plan.extra_split == extra.split and splits == plan.split.num_splits + extra.split.num_splits
+                assert plan.variants == (
+                    variants_for(main_md, arch, plan.split.num_splits, groups, precision=precision,
+                                 two_ctas_per_sm=two, split_mode=True)[0],
+                    variants_for(extra_md, arch, extra.split.num_splits, extra.head_groups, precision=precision,
+                                 two_ctas_per_sm=extra.two_ctas_per_sm, split_mode=True)[0],
+                    KernelVariant(MergeConfig(has_sink=md.has_sink, split_batch=merge_batch_for(splits)), arch),
+                ), what
+            else:
+                assert plan.extra_split is None and selection.extra is None, what
+                assert plan.variants == variants_for(md, arch, splits, groups, precision=precision,
+                                                     two_ctas_per_sm=two), what
             assert set(plan.variants) <= registry, what
-            seen.update({("format", md.kv_format), ("precision", precision), ("tokens", md.num_tokens),
-                         ("sms", sms), ("len", md.has_topk_length), ("sink", md.has_sink),
+            seen.update({("format", md.kv_format), ("format", md.extra_kv_format or md.kv_format),
+                         ("mixed", md.mixed), ("pair", md.kv_format, md.extra_kv_format), ("precision", precision),
+                         ("tokens", md.num_tokens), ("sms", sms), ("len", md.has_topk_length), ("sink", md.has_sink),
                          ("extra", md.extra_topk > 0), ("extra_len", md.has_extra_topk_length),
                          ("splits", splits > 1), ("groups", groups), ("two", two)})
     expected = ({("format", f) for f in FORMATS} | {("precision", p) for p in precisions_for(arch)}
                 | {("tokens", t) for t in DEPLOYMENT_NUM_TOKENS} | {("sms", n) for n in DEPLOYMENT_SM_COUNTS}
-                | {(flag, b) for flag in ("len", "sink", "extra", "extra_len", "splits") for b in (False, True)}
-                | {("groups", g) for g in (1, 2)} | {("two", False)})
+                | {(flag, b) for flag in ("len", "sink", "extra", "extra_len", "splits", "mixed")
+                   for b in (False, True)}
+                | {("groups", g) for g in (1, 2)} | {("two", False)}
+                | {("pair", s.kv_format, s.extra_kv_format) for s in DEPLOYMENT_SHAPES})
     assert expected <= seen, sorted(expected - seen)
     assert ("two", True) in seen or arch != "sm_90a"  # the H200's bounded "f16" kernels are sampled too
+
+
+# ---------------------------------------------------------------------- calls of two cache formats
+# the models' main + extra pairings of two formats (EXTRA_FORMATS), main first
+MIXED_PAIRS = sorted((main, extra) for main, extras in EXTRA_FORMATS.items() for extra in extras if extra != main)
+# (T, H, topk, extra_topk): decode batches, and one token against 8192 + 8192 entries
+_MIXED_SHAPES = [(1, 16, 128, 64), (4, 64, 1152, 512), (64, 128, 128, 512), (300, 8, 128, 2048), (1, 128, 8192, 8192),
+                 (1, 16, 8192, 8192)]
+_TARGETS = [("sm_120a", 188, SM120_SMEM_PER_SM), ("sm_90a", 132, H200_SMEM_PER_SM)]
+
+
+def _mixed_md(main, extra, T, H, topk, extra_topk, has_len=False, has_extra_len=False, has_sink=False, extra_page=64):
+    return _md(main, num_tokens=T, num_heads=H, topk=topk, page_block_size=64, extra_topk=extra_topk,
+               extra_page_block_size=extra_page, has_topk_length=has_len, has_extra_topk_length=has_extra_len,
+               has_sink=has_sink, extra_kv_format=extra)
+
+
+def _covers_every_chunk_once(split: SplitPlan, entries: int, block_n: int) -> bool:
+    return (split.num_chunks == -(-entries // block_n) and split.num_splits * split.chunks_per_split >= split.num_chunks
+            and (split.num_splits - 1) * split.chunks_per_split < split.num_chunks)
+
+
+@pytest.mark.parametrize("main,extra", MIXED_PAIRS)
+def test_a_mixed_call_selects_a_partial_kernel_per_list_and_one_merge(main, extra):
+    """A call whose extra cache is of another format: each list a call of its own format
+    (``DecodeMetadata.list_calls``) in split mode, the extra list's kernel reading it as its
+    main list (its lengths, no extra list), then one merge of all the splits; every variant
+    in the variant space, the splits at most what the merge combines."""
+    for (arch, sms, smem), (T, H, topk, extra_topk), flags in itertools.product(
+            _TARGETS, _MIXED_SHAPES, itertools.product((False, True), repeat=3)):
+        has_len, has_extra_len, has_sink = flags
+        md = _mixed_md(main, extra, T, H, topk, extra_topk, has_len, has_extra_len, has_sink, extra_page=2)
+        assert md.mixed
+        main_md, extra_md = md.list_calls()
+        assert main_md == dataclasses.replace(md, extra_topk=0, extra_page_block_size=None,
+                                              has_extra_topk_length=False, extra_kv_format=None)
+        assert extra_md == dataclasses.replace(main_md, kv_format=extra, topk=extra_topk, page_block_size=2,
+                                               has_topk_length=has_extra_len)
+        with pytest.raises(ValueError, match="a call of two formats runs a partial kernel per list"):
+            variants_for(md, arch, 4, 1)
+        space = set(variant_space(arch))
+        for precision in set(format_precisions(arch, main)) & set(format_precisions(arch, extra)):
+            what = (arch, precision, md)
+            sel = select_kernels(md, arch, sms, smem, precision)
+            assert len(sel.variants) == 3 and sel.extra is not None, what
+            first, second, merge = sel.variants
+            assert first == variants_for(main_md, arch, sel.split.num_splits, sel.head_groups, precision,
+                                         two_ctas_per_sm=sel.two_ctas_per_sm, split_mode=True)[0], what
+            assert second == sel.extra.variants[0] == variants_for(
+                extra_md, arch, sel.extra.split.num_splits, sel.extra.head_groups, precision,
+                two_ctas_per_sm=sel.extra.two_ctas_per_sm, split_mode=True)[0], what
+            for partial, kv_format, has_topk_length in ((first, main, has_len), (second, extra, has_extra_len)):
+                cfg = partial.config
+                assert (cfg.kv_format, cfg.precision, cfg.has_topk_length) == (kv_format, precision, has_topk_length)
+                assert not (cfg.final_output or cfg.has_sink or cfg.has_extra_topk_length), (what, cfg)
+            assert sel.num_splits == sel.split.num_splits + sel.extra.split.num_splits <= MAX_SPLITS, what
+            assert sel.split.num_splits < MAX_SPLITS, what  # the extra list has at least one split
+            assert merge.config == MergeConfig(has_sink=has_sink, split_batch=merge_batch_for(sel.num_splits)), what
+            assert _covers_every_chunk_once(sel.split, topk, first.config.block_n), (what, sel.split)
+            assert _covers_every_chunk_once(sel.extra.split, extra_topk, second.config.block_n), (what, sel.extra)
+            assert set(sel.variants) <= space, (what, [v.name for v in sel.variants if v not in space])
+
+
+def test_a_mixed_call_splits_at_most_what_the_merge_combines():
+    """The extra list's splits are capped at what the main list's leave of ``MAX_SPLITS`` (the
+    merge kernel's threads): one token of 16 heads against 8192 + 8192 entries takes every
+    split each list alone would, so the cap is what bounds it; one of 128 heads fills the GPU
+    once per list well below it."""
+    for arch, sms, smem in _TARGETS:
+        md = _mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 16, 8192, 8192)
+        alone = [select_kernels(list_md, arch, sms, smem, "f16").num_splits for list_md in md.list_calls()]
+        assert alone == [MAX_SPLITS, MAX_SPLITS], (arch, alone)
+        sel = select_kernels(md, arch, sms, smem, "f16")
+        assert sel.split.num_splits <= MAX_SPLITS - 1, (arch, sel.split)
+        assert 1 <= sel.extra.split.num_splits <= MAX_SPLITS - sel.split.num_splits, (arch, sel)
+        assert sel.num_splits <= MAX_SPLITS, (arch, sel)
+        longer = select_kernels(_mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 1, 8192, 65536), arch, sms, smem, "f16")
+        assert 1 < longer.extra.split.num_splits and longer.num_splits <= MAX_SPLITS, (arch, longer)
+    sel = select_kernels(_mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 128, 8192, 8192), "sm_120a", 188, SM120_SMEM_PER_SM,
+                         "f16")
+    assert 1 < sel.split.num_splits and 1 < sel.extra.split.num_splits and sel.num_splits <= MAX_SPLITS, sel
+
+
+def test_a_call_whose_extra_cache_has_the_main_format_is_one_call():
+    """An extra cache of the main cache's format (named or not) is the extra list of one
+    partial kernel, as before formats could differ."""
+    for kv_format in (MODEL1, MODEL1_NVFP4.name, V41_FP8.name, "v41_fp8_inline"):
+        for named in (None, kv_format):
+            md = _mixed_md(kv_format, named, 4, 64, 128, 512, has_extra_len=True)
+            assert not md.mixed
+            sel = select_kernels(md, "sm_120a", 188, SM120_SMEM_PER_SM, "f16")
+            assert sel.extra is None and sel.num_splits == sel.split.num_splits, sel
+            assert sel.variants[0].config.has_extra_topk_length and sel.variants[0].config.kv_format == kv_format
+
+
+def _mixed_caches(main, extra, gen, extra_block_stride=None):
+    """A main cache of ``main`` (4 blocks of 64) and an extra cache of ``extra`` (4 blocks of 64)."""
+    stride = dict(block_stride=extra_block_stride) if extra_block_stride else {}
+    return (make_cache(4, 64, device="cpu", kv_format=main, gen=gen),
+            make_cache(4, 64, device="cpu", kv_format=extra, gen=gen, **stride))
+
+
+@pytest.mark.parametrize("main,extra", sorted((m, e) for m, extras in EXTRA_FORMATS.items() for e in extras))
+def test_the_models_pairings_validate_and_plan(monkeypatch, main, extra):
+    """Every main + extra pairing a model uses is served: a pairing of two formats (DeepSeek-V4's
+    FP8 and NVFP4 records either way, DeepSeek-V4.1's FP8 main cache with an extra cache of any
+    of its records) validates and plans a partial kernel per list and a merge; an extra cache of
+    the main format is the extra list of the one partial kernel."""
+    gen = torch.Generator().manual_seed(21)
+    main_cache, extra_cache = _mixed_caches(main, extra, gen)
+    kw = dict(kv_cache=main_cache, kv_format=main, extra_kv_cache=extra_cache,
+              extra_indices=make_indices(2, 64, 256, device="cpu", gen=gen), extra_kv_format=extra)
+    plan, call = _cpu_plan(monkeypatch, **kw)
+    assert call.extra.fmt.name == extra and call.launch_metadata.mixed == (main != extra)
+    assert call.launch_metadata.extra_kv_format == (extra if main != extra else None)
+    if main != extra:
+        assert [v.kind for v in plan.variants] == ["partial", "partial", "merge"], plan.variants
+        assert [v.config.kv_format for v in plan.variants[:2]] == [main, extra]
+        assert plan.num_splits == plan.split.num_splits + plan.extra_split.num_splits
+    else:
+        assert plan.extra_split is None and plan.variants[0].config.kv_format == main
+    # unnamed: the main format where the extra cache's width is one of its own (528 beside
+    # 528), else the format the width names (584 or 384); 288 bytes is either NVFP4 record
+    if FORMATS[extra].bytes_per_token != 288:
+        _, unnamed = _cpu_plan(monkeypatch, **{**kw, "extra_kv_format": None})
+        read_as = main if FORMATS[extra].view_widths == FORMATS[main].view_widths else extra
+        assert unnamed.extra.fmt.name == read_as and unnamed.launch_metadata.mixed == (read_as != main), unnamed
+    base = _inputs()
+    with pytest.raises(InvalidDecodeInput, match="the kernels run on CUDA devices only") as info:  # served
+        sparse_mla_decode(base["q"], indices=base["indices"], **kw)
+    assert str(info.value).startswith(FORMATS[main].model_type + ": num_tokens=2")
+
+
+def _launch_args(plan) -> list[dict]:
+    """Each launch's kernel arguments by name: a ``Bind`` as (what it binds, its offset)."""
+    schemas = (PARTIAL_ARGS,) * (len(plan.variants) - 1) + (MERGE_ARGS,)
+    return [{a.name: (v.key, v.offset) if hasattr(v, "key") else v for a, v in zip(schema, args)}
+            for schema, args in zip(schemas, plan._args)]
+
+
+@pytest.mark.parametrize("main,extra,extra_block_stride", [
+    (MODEL1, MODEL1_NVFP4.name, None), (MODEL1_NVFP4.name, MODEL1, None),
+    ("v41_fp8_inline", "v41_nvfp4_inline", 66 * 288),  # flat rows in blocks padded by two rows: 66 a block
+])
+def test_a_mixed_plan_launches_each_list_as_a_call_of_its_format(monkeypatch, main, extra, extra_block_stride):
+    """A call of two formats launches the main list alone, then the extra list as the main list
+    of a kernel of its format (the extra cache's page, strides, slots, indices, lengths), its
+    splits written after the main list's in the one set of partial outputs, then the merge of
+    all of them. Every launch knows the outputs' total splits; each its own (the grid's)."""
+    gen = torch.Generator().manual_seed(22)
+    main_cache, extra_cache = _mixed_caches(main, extra, gen, extra_block_stride)
+    T, H = 2, 16
+    plan, call = _cpu_plan(monkeypatch, kv_cache=main_cache, kv_format=main, extra_kv_cache=extra_cache,
+                           extra_indices=make_indices(T, 64, 256, device="cpu", gen=gen), extra_kv_format=extra,
+                           topk_length=torch.full((T,), 100, dtype=torch.int32),
+                           extra_topk_length=torch.full((T,), 50, dtype=torch.int32),
+                           attn_sink=torch.zeros(H))
+    first, second, merge = _launch_args(plan)
+    main_splits, extra_splits, total = plan.split.num_splits, plan.extra_split.num_splits, plan.num_splits
+    assert main_splits > 1 and extra_splits > 1 and total == main_splits + extra_splits  # offsets that matter
+    assert plan._o_part_bytes == T * total * H * 512 * 4 and plan.scratch_bytes >= T * total * H * (512 * 4 + 4)
+    # the main list alone
+    assert (first["main_cache"], first["main_idx"], first["main_len"]) == (("main", 0), ("indices", 0),
+                                                                          ("topk_length", 0))
+    assert (first["main_topk"], first["main_page"], first["main_row_stride"], first["extra_topk"]) == (
+        128, call.main.index_page, call.main.row_stride, 0)
+    assert (first["chunks_per_split"], first["launch_splits"], first["num_splits"]) == (
+        plan.split.chunks_per_split, main_splits, total)
+    assert (first["o_part"], first["lse_part"]) == (("scratch", 0), ("scratch", plan._o_part_bytes))
+    # the extra list as a kernel's main list: every main_* value the extra list's (its topk below)
+    for name in ("cache", "page", "page_magic", "block_stride", "row_stride", "num_slots", "idx", "idx_stride", "len"):
+        assert second[f"main_{name}"] == first[f"extra_{name}"], name
+    index_page = 66 if extra_block_stride else 64
+    assert (second["main_cache"], second["main_idx"], second["main_len"]) == (("extra", 0), ("extra_indices", 0),
+                                                                             ("extra_topk_length", 0))
+    assert (second["main_topk"], second["main_page"], second["main_page_magic"], second["main_row_stride"]) == (
+        64, index_page, page_division_magic(index_page), FORMATS[extra].row_pitches[0] if FORMATS[extra].inline
+        else FORMATS[extra].bytes_per_token)
+    assert (second["main_block_stride"], second["main_num_slots"]) == (call.extra.block_stride, call.extra.num_slots)
+    assert second["extra_topk"] == 0
+    assert (second["chunks_per_split"], second["launch_splits"], second["num_splits"]) == (
+        plan.extra_split.chunks_per_split, extra_splits, total)
+    # its split s is split main_splits + s of the [T, total, H, ...] partial outputs
+    assert (second["o_part"], second["lse_part"]) == (("scratch", main_splits * H * 512 * 4),
+                                                      ("scratch", plan._o_part_bytes + main_splits * H * 4))
+    changed = {"chunks_per_split", "launch_splits", "o_part", "lse_part"} | {n for n in second if n.startswith("main_")}
+    assert {n: v for n, v in second.items() if n not in changed} == {n: v for n, v in first.items() if n not in changed}
+    # the merge of all the splits, the sink its own
+    assert (merge["num_splits"], merge["o_part"], merge["lse_part"], merge["attn_sink"]) == (
+        total, ("scratch", 0), ("scratch", plan._o_part_bytes), ("attn_sink", 0))
+    assert plan.variants[2].config == MergeConfig(has_sink=True, split_batch=merge_batch_for(total))
+    assert not any(v.config.has_sink for v in plan.variants[:2])
+
+
+def test_overrides_num_splits_is_refused_for_a_mixed_call(monkeypatch):
+    """A call of two formats splits each list by itself: a forced split count is refused;
+    the other overrides apply to both lists' kernels."""
+    md = _mixed_md(MODEL1, MODEL1_NVFP4.name, 2, 16, 128, 64)
+    message = ("overrides.num_splits: a call of two cache formats (model1_fp8 + model1_nvfp4) splits each list by "
+               "itself")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        select_kernels(md, "sm_120a", 188, SM120_SMEM_PER_SM, "f16", PlanOverrides(num_splits=2))
+    _, call = _cpu_plan(monkeypatch, extra_kv_cache=NVFP4_CACHE, extra_indices=_EXTRA_IDX)
+    assert call.launch_metadata.mixed
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DecodePlan(call, PlanOverrides(num_splits=1))
+    sel = select_kernels(md, "sm_120a", 188, SM120_SMEM_PER_SM, "f16", PlanOverrides(head_groups=2, num_stages=2))
+    assert sel.head_groups == sel.extra.head_groups == 2
+    assert [(v.config.head_groups, v.config.stages) for v in sel.variants[:2]] == [(2, 2), (2, 2)], sel.variants
+
+
+@pytest.mark.parametrize("arch", ["sm_120a", "sm_121a", "sm_90a"])
+def test_every_variant_a_mixed_deployment_call_selects_is_in_the_variant_space(arch):
+    """Every deployment call of two formats (each registry pairing, every compute path both
+    formats have) selects only variants of ``variant_space(arch)``: the AOT build has them."""
+    space, smem, pairs = set(variant_space(arch)), SMEM_PER_SM_BY_ARCH[arch], {}
+    for precision in precisions_for(arch):
+        for md, sms in deployment_calls(precision, arch):
+            if md.mixed:
+                variants = select_kernels(md, arch, sms, smem, precision).variants
+                assert len(variants) == 3 and set(variants) <= space, (precision, sms, md)
+                pairs[md.kv_format, md.extra_kv_format] = pairs.get((md.kv_format, md.extra_kv_format), 0) + 1
+    assert set(pairs) == {(s.kv_format, s.extra_kv_format) for s in DEPLOYMENT_SHAPES if s.extra_kv_format}, pairs
 
 
 def _misaligned(t: torch.Tensor, offset_bytes: int) -> torch.Tensor:

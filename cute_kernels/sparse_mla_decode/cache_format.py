@@ -5,13 +5,21 @@ Accepted cache views (uint8 or float8_e4m3fn, one byte per element), W the last 
 - ``[num_blocks, P, 1, W]`` ("NHD") and ``[num_blocks, 1, P, W]`` ("HND");
 - ``[num_blocks, P * W]`` (a block as bytes; any padding lives in the block stride).
 
-A footer format (MODEL1, MODEL1 NVFP4) has W = its bytes per token and packed rows (token
-stride W); an inline format has W at least its row bytes (a wider W, such as GLM-5.3 rows in
-656-byte pool rows, holds bytes that are never read) and any token stride (the row stride)
-that is a multiple of 16 and at least its row bytes; a 2-D view has the format's default row
-pitch (an e2m1 format's 2-D view is read only where ``kv_format`` names it: ``format_of``).
+A footer format (MODEL1, NVFP4, the V4.1 footer formats) has W = its bytes per token and
+packed rows (token stride W); an inline format has W at least its row bytes (a wider W, such
+as GLM-5.3 rows in 656-byte pool rows, holds bytes that are never read) and any token stride
+(the row stride) that is a multiple of 16 and at least its row bytes; a 2-D view has the
+format's default row pitch (``flat_pitch``; a view whose width more than one format has, and
+an e2m1 format's 2-D view, is read only where ``kv_format`` names it: ``format_of``).
 The block stride may exceed the block's bytes and must be a multiple of 16, as must the data
-pointer. ``CacheLayoutError`` says what a view lacks.
+pointer; a flat-row format's (``KvFormat.flat_rows``) must be a whole number of rows.
+``CacheLayoutError`` says what a view lacks.
+
+How an index finds its bytes (``kv_format`` module docstring): paged, slot s is row s % P of
+block s // P; flat rows, index r is row r % R of block r // R with R = block_stride /
+row_stride, so that the rows a padded block holds past its P tokens are indices too (their
+bytes, whatever the allocator left there, are read as they are). ``CacheView.index_page``
+is the divisor either way (P or R), and the readers here use it as the kernels do.
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_format import DEFAULT_FORMAT, FORMAT_BY_WIDTH, FORMATS, FP8_E4M3_MAX, UE8M0_BIAS, KvFormat, formats_of_width, get_format
+from .kv_format import (
+    DEFAULT_FORMAT, EXTRA_FORMATS, FORMAT_BY_WIDTH, FORMATS, FP8_E4M3_MAX, MODEL1_FP8, UE8M0_BIAS, KvFormat,
+    formats_of_width, get_format,
+)
 
 E2M1_MAX = 6.0
 # the e2m1 nibble s ee m: codes 0..7 are +0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign (8 is -0)
@@ -38,7 +49,16 @@ class CacheLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class CacheView:
-    """A validated cache: its blocks as a 2-D uint8 view ``[num_blocks, block_used_bytes]``."""
+    """A validated cache: its blocks as a 2-D uint8 view ``[num_blocks, block_used_bytes]``.
+
+    An index names a row by ``index_page``: block ``i // index_page``, row ``i % index_page``
+    at ``row_stride`` bytes into it. Paged formats divide by the page block size P; a
+    flat-row format (``KvFormat.flat_rows``: FlashInfer's addressing of DeepSeek-V4.1's inline
+    records) by R = block_stride / row_stride, the rows a block stride holds, so that index r
+    is row r of the whole cache viewed as rows ``row_stride`` apart. The two agree when blocks
+    carry no padding (block_stride == P * row_stride); b12x's paged addressing of the same
+    records, ``(s // P) * block_stride + (s % P) * row_stride``, differs from the flat rows only
+    for padded blocks."""
 
     blocks: torch.Tensor  # uint8 [num_blocks, used], stride (block_stride, 1)
     fmt: KvFormat
@@ -51,8 +71,24 @@ class CacheView:
         return self.blocks.shape[0]
 
     @property
+    def index_page(self) -> int:
+        """What the kernels divide an index by to find its block: P, or for flat rows R."""
+        return self.block_stride // self.row_stride if self.fmt.flat_rows else self.page_block_size
+
+    @property
     def num_slots(self) -> int:
-        return self.num_blocks * self.page_block_size
+        """The indices that name a row inside the tensor's storage: ``num_blocks * P`` for
+        paged formats; for flat rows ``(num_blocks - 1) * R + P``, the rows R - P past the
+        tokens of every block but the last included (a padded block's padding bytes, read as
+        they are, as FlashInfer's reader does)."""
+        return (self.num_blocks - 1) * self.index_page + self.page_block_size
+
+    @property
+    def span(self) -> torch.Tensor:
+        """Every byte from the first block's start to the last block's data end, as one 1-D
+        uint8 view: a flat row may lie in a block's padding, which ``blocks`` leaves out."""
+        size = (self.num_blocks - 1) * self.block_stride + self.blocks.shape[1]
+        return torch.as_strided(self.blocks, (size,), (1,))
 
 
 def block_used_bytes(fmt: KvFormat, page: int, row_stride: int) -> int:
@@ -79,15 +115,38 @@ def page_division_magic(page_block_size: int) -> int:
 
 def default_block_stride(fmt: KvFormat, page_block_size: int, row_stride: int | None = None) -> int:
     """The packers' block stride: MODEL1 as FlashMLA allocates it (P * 584 rounded up to a
-    multiple of 576); an e2m1 format (MODEL1 NVFP4) as FlashInfer allocates it, tight (P * 384,
-    a multiple of 16 by the record sizes); an inline format's rows back to back (a multiple of
-    16 by the pitch)."""
+    multiple of 576); every other footer format as FlashInfer allocates it, tight (P * bytes
+    per token, a multiple of 16 by the record sizes); an inline format's rows back to back
+    (P * pitch, a multiple of 16 by the pitch and a whole number of rows for flat rows)."""
     if fmt.inline:
         return page_block_size * (row_stride or fmt.row_pitches[0])
     used = page_block_size * fmt.bytes_per_token
-    if fmt.e2m1:
+    if fmt.name != MODEL1_FP8.name:
         return used
     return fmt.row_bytes * math.ceil(used / fmt.row_bytes)
+
+
+def flat_pitch(fmt: KvFormat) -> int:
+    """The bytes per token a 2-D (``[num_blocks, P * W]``) view of ``fmt`` implies: a footer
+    format's bytes per token, an inline format's default row pitch."""
+    return fmt.row_pitches[0] if fmt.inline else fmt.bytes_per_token
+
+
+def _width_fits(fmt: KvFormat, dim: int, width: int) -> bool:
+    """Whether a ``dim``-D view whose last dimension is ``width`` can be a ``fmt`` cache."""
+    if dim == 2:
+        return width > 0 and width % flat_pitch(fmt) == 0
+    return width in fmt.view_widths
+
+
+def _flat_row_block_error(fmt: KvFormat, page: int, block_stride: int, row_stride: int) -> str | None:
+    """Why a flat-row cache's block stride cannot be read (None: it can): an index counts
+    rows of the whole cache, so a block (of more than one row) must hold a whole number."""
+    if not fmt.flat_rows or page == 1 or block_stride % row_stride == 0:
+        return None
+    return (f"block stride {block_stride} bytes is not a whole number of {row_stride}-byte rows: {fmt.name} "
+            f"indices count rows of the whole cache (block r // R, row r % R, R = block stride / row stride), so "
+            f"pad blocks to a multiple of the row stride (e.g. {-(-block_stride // row_stride) * row_stride} bytes)")
 
 
 def format_of(cache, kv_format: str | None) -> KvFormat:
@@ -103,8 +162,7 @@ def format_of(cache, kv_format: str | None) -> KvFormat:
         raise CacheLayoutError(f"a cache is a 2-D or 4-D byte tensor, got {shown}")
     width = cache.shape[-1]
     if cache.dim() == 2 and width:
-        fits = sorted(f.name for f in FORMATS.values()
-                      if width % (f.row_pitches[0] if f.inline else f.bytes_per_token) == 0)
+        fits = sorted(f.name for f in FORMATS.values() if _width_fits(f, 2, width))
         # an e2m1 format's 2-D view is read only by name (its writer makes 4-D views): a MODEL1
         # block of P * 584 bytes that is also a whole number of 384-byte tokens (P a multiple
         # of 48) reads as MODEL1 without kv_format, as before that format existed
@@ -128,9 +186,46 @@ def format_of(cache, kv_format: str | None) -> KvFormat:
     raise CacheLayoutError(f"no cache format has {width}-byte rows: pass kv_format= (one of {sorted(FORMATS)})")
 
 
+def extra_format_of(extra_cache, main_fmt: KvFormat, extra_kv_format: str | None) -> KvFormat:
+    """The format an extra (compressed) cache next to a ``main_fmt`` main cache is read as:
+    ``extra_kv_format`` when given; else ``main_fmt`` where the extra cache's width is one a
+    ``main_fmt`` view has (a 4-D view's last dimension among its ``view_widths``, a 2-D
+    view's a whole number of its ``flat_pitch``); else the format its own width names
+    (``format_of``), or where that is ambiguous the one format a ``main_fmt`` main cache
+    combines with (``EXTRA_FORMATS``) that the width fits (V4.1's 288-byte rows beside a
+    footer or an inline FP8 main cache). CacheLayoutError where the width still leaves the
+    format open, naming the paired formats that the width fits."""
+    if extra_kv_format is not None:
+        try:
+            return get_format(extra_kv_format)
+        except ValueError:
+            raise CacheLayoutError(f"extra_kv_format must be one of {sorted(FORMATS)}, got {extra_kv_format!r}") \
+                from None
+    if isinstance(extra_cache, torch.Tensor) and extra_cache.dim() in (2, 4) \
+            and _width_fits(main_fmt, extra_cache.dim(), extra_cache.shape[-1]):
+        return main_fmt
+    try:
+        return format_of(extra_cache, None)
+    except CacheLayoutError as err:
+        paired = EXTRA_FORMATS.get(main_fmt.name, ())
+        if not paired or not isinstance(extra_cache, torch.Tensor) or extra_cache.dim() not in (2, 4):
+            raise
+        width, dim = extra_cache.shape[-1], extra_cache.dim()
+        what = f"{width}-byte rows" if dim == 4 else f"{width} bytes per block"
+        fits = [name for name in paired if _width_fits(FORMATS[name], dim, width)]
+        if len(fits) == 1:
+            return FORMATS[fits[0]]
+        if fits:
+            raise CacheLayoutError(f"an extra cache of {what} next to a {main_fmt.name} main cache may be any of "
+                                   f"{fits}: pass extra_kv_format= (one of {fits})") from None
+        raise CacheLayoutError(f"an extra cache of {what} fits none of the formats a {main_fmt.name} main cache "
+                               f"combines with ({list(paired)})") from None
+
+
 def read_cache_view(cache: torch.Tensor, kv_format: str | None = None, name: str = "kv_cache") -> CacheView:
     """Validate a cache tensor as ``kv_format`` (None: by its width) and return its blocks as
-    bytes. Raises ``CacheLayoutError``."""
+    bytes. Raises ``CacheLayoutError``. A flat-row format's one-token blocks have the block
+    stride for their row stride (R = 1, as FlashInfer takes the pitch of one-row pages)."""
     if not isinstance(cache, torch.Tensor):
         raise CacheLayoutError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
     if cache.dtype not in CACHE_DTYPES:
@@ -145,7 +240,7 @@ def read_cache_view(cache: torch.Tensor, kv_format: str | None = None, name: str
     elif cache.dim() == 4 and shape[1] == 1 and shape[3] in widths:  # HND
         page, tok_stride, byte_stride = shape[2], stride[2], stride[3]
     elif cache.dim() == 2:
-        pitch = bpt if not fmt.inline else fmt.row_pitches[0]
+        pitch = flat_pitch(fmt)
         if shape[1] == 0 or shape[1] % pitch != 0:
             raise CacheLayoutError(f"{name} of shape {list(shape)}: a 2-D {fmt.name} cache must be "
                                    f"[num_blocks, P*{pitch}] (the padding of a block belongs in its stride, not its size)")
@@ -156,6 +251,8 @@ def read_cache_view(cache: torch.Tensor, kv_format: str | None = None, name: str
     if page < 1 or shape[0] < 1:
         raise CacheLayoutError(f"{name} of shape {list(shape)} holds no token")
     row_stride = tok_stride if page > 1 else (fmt.row_pitches[0] if fmt.inline else bpt)
+    if fmt.flat_rows and page == 1 and shape[0] > 1:
+        row_stride = stride[0]  # one row per block: the rows are the blocks (FlashInfer's pitch)
     if byte_stride != 1:
         raise CacheLayoutError(f"{name} with strides {list(stride)}: a token's bytes must be contiguous (byte stride 1)")
     if not fmt.inline and page > 1 and tok_stride != bpt:
@@ -166,9 +263,14 @@ def read_cache_view(cache: torch.Tensor, kv_format: str | None = None, name: str
                                f"of {ALIGN} bytes and at least the {fmt.row_bytes} bytes of a {fmt.name} row")
     used = block_used_bytes(fmt, page, row_stride)
     block_stride = stride[0] if shape[0] > 1 else max(stride[0], used)
+    if shape[0] == 1 and fmt.flat_rows:  # a lone block's stride is no distance: a whole number of its rows
+        block_stride = -(-block_stride // row_stride) * row_stride
     if shape[0] > 1 and block_stride < used:
         raise CacheLayoutError(f"{name}: block stride {block_stride} bytes is smaller than a block of P={page} tokens "
                                f"({used} bytes)")
+    flat_row_error = _flat_row_block_error(fmt, page, block_stride, row_stride)
+    if flat_row_error:
+        raise CacheLayoutError(f"{name} with strides {list(stride)}: {flat_row_error}")
     if block_stride % ALIGN != 0:
         raise CacheLayoutError(f"{name}: block stride {block_stride} bytes is not a multiple of {ALIGN}")
     if cache.data_ptr() % ALIGN != 0:
@@ -186,9 +288,11 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2_ceil(ratio: torch.Tensor) -> torch.Tensor:
-    """2**ceil(log2(ratio)) for positive float32 ``ratio``, exactly (from frexp)."""
+    """2**ceil(log2(ratio)) for positive float32 ``ratio``, exactly (from frexp); infinity
+    and NaN stay as they are (frexp has no exponent for them)."""
     mant, exp = torch.frexp(ratio)
-    return torch.ldexp(torch.ones_like(ratio), torch.where(mant == 0.5, exp - 1, exp))
+    pow2 = torch.ldexp(torch.ones_like(ratio), torch.where(mant == 0.5, exp - 1, exp))
+    return torch.where(torch.isfinite(ratio), pow2, ratio)
 
 
 def _flashmla_pow2(groups: torch.Tensor):
@@ -274,6 +378,60 @@ def _flashinfer_nvfp4(groups: torch.Tensor):
     return scale, torch.where((scale == 0)[..., None], 0.0, codes)
 
 
+E4M3_NAN = 0x7F  # the e4m3 byte every GPU writer's conversion gives NaN (satfinite: NaN -> 0x7F)
+
+
+def _flashinfer_v41_fp8(groups: torch.Tensor):
+    """FlashInfer's DeepSeek-V4.1 FP8 writer (``dsv41_fp8_quantize_{pack,append}``, group 32):
+    a finite group as FlashMLA's reference (``_flashmla_pow2``: it clamps amax at 1e-4 as well,
+    but the ratio floor dominates, so the bytes are the same); a group holding a NaN: scale
+    byte 0xFF (2**128, infinity as a float32) and every code 0x7F; a group holding an infinity
+    and no NaN: scale byte 0xFF, code 0x7F for each infinite element and +-0 (the element's
+    sign) for the rest. Either group reads as NaN throughout (inf x NaN, inf x 0)."""
+    nan = torch.isnan(groups)
+    poisoned = (~torch.isfinite(groups)).any(dim=-1)
+    scale, codes = _flashmla_pow2(torch.where(torch.isfinite(groups), groups, 0.0))
+    marks = torch.where(nan.any(dim=-1, keepdim=True) | torch.isinf(groups), E4M3_NAN,
+                        torch.signbit(groups).to(torch.uint8) << 7).to(torch.uint8)
+    codes = torch.where(poisoned[..., None], marks, codes.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return torch.where(poisoned, torch.inf, scale), codes
+
+
+def _b12x_v41_fp8(groups: torch.Tensor):
+    """b12x's DeepSeek-V4.1 SWA writer: s = pow2_ceil(max(amax, 1e-4) * fl32(1 / 448)) (an
+    amax floor: the smallest scale is 2**-22), codes e4m3(x * (1 / s)) (its ``rcp.approx`` of a
+    power of two is exact). The recipe is for finite groups."""
+    amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
+    scale = _pow2_ceil(amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32))
+    return scale, _e4m3(groups * (1.0 / scale)[..., None])
+
+
+E4M3_MIN_SUBNORMAL = 2.0**-9
+
+
+def _flashinfer_v41_nvfp4(groups: torch.Tensor):
+    """FlashInfer's DeepSeek-V4.1 FP4 writer (``dsv41_fp4_quantize_{pack,append}``, group 16):
+    s = e4m3_rn(clamp(amax / 6, 2**-9, 448)) (never 0: an all-zero group has the smallest
+    subnormal scale and zero codes), codes e2m1_satfinite(x / s) with a float32 division; a
+    group holding a NaN or an infinity: every code +0 and scale byte 0x7F (NaN), so that it
+    reads as NaN throughout. Returns (s as float32, NaN for such a group; the codes as
+    float32 values of the e2m1 grid, signed zeros kept)."""
+    amax = groups.abs().amax(dim=-1)
+    scale = _e4m3(torch.clamp(amax / E2M1_MAX, E4M3_MIN_SUBNORMAL, FP8_E4M3_MAX)).float()
+    codes = e2m1_decode(e2m1_encode(groups / scale[..., None]))
+    poisoned = (~torch.isfinite(groups)).any(dim=-1)
+    return torch.where(poisoned, torch.nan, scale), torch.where(poisoned[..., None], 0.0, codes)
+
+
+def _b12x_v41_nvfp4(groups: torch.Tensor):
+    """b12x's DeepSeek-V4.1 FP4 writer (``dsv41=True``): amax clamped below at 6 * 2**-9
+    first, then s = e4m3(amax / 6) (at least 2**-9), codes e2m1_satfinite(x * (1 / s)). The
+    recipe is for finite groups."""
+    amax = groups.abs().amax(dim=-1).clamp_min(E2M1_MAX * E4M3_MIN_SUBNORMAL)
+    scale = _e4m3(amax / E2M1_MAX).float()
+    return scale, e2m1_decode(e2m1_encode(groups * (1.0 / scale)[..., None]))
+
+
 # per format: writer name -> recipe; the first is the packer's default
 WRITERS = {
     "model1_fp8": {"vllm": _vllm_pow2, "flashmla": _flashmla_pow2},
@@ -282,6 +440,11 @@ WRITERS = {
     "glm_nope_fp8": {"vllm": _vllm_fp32, "b12x": _b12x_glm_next},
     # FlashInfer's nvfp4_quantize_pack / _append_sparse_mla_cache (dsv4_nvfp4_cache_ops.cu)
     "model1_nvfp4": {"flashinfer": _flashinfer_nvfp4},
+    # DeepSeek-V4.1: FlashInfer's writers (footer by default, or inline) and b12x's (inline records)
+    "v41_fp8": {"flashinfer": _flashinfer_v41_fp8, "b12x": _b12x_v41_fp8},
+    "v41_fp8_inline": {"flashinfer": _flashinfer_v41_fp8, "b12x": _b12x_v41_fp8},
+    "v41_nvfp4": {"flashinfer": _flashinfer_v41_nvfp4, "b12x": _b12x_v41_nvfp4},
+    "v41_nvfp4_inline": {"flashinfer": _flashinfer_v41_nvfp4, "b12x": _b12x_v41_nvfp4},
 }
 
 
@@ -289,8 +452,9 @@ def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer:
     """Quantize ``[..., d_qk]`` latent rows as ``writer`` (``WRITERS``) writes ``kv_format``.
 
     Returns ``(nope codes [..., nope], scales [..., groups] float32, rope [..., rope] bf16)``;
-    the scales are the values the format stores (UE8M0 formats: powers of two; E4M3 scales:
-    e4m3 values). The codes: float8_e4m3fn for an e4m3 format; for an e2m1 format float32
+    the scales are the values the format stores (UE8M0 formats: powers of two, inf for byte
+    0xFF; E4M3 scales: e4m3 values, NaN for byte 0x7F: what the V4.1 writers store for a group
+    holding NaN or Inf). The codes: float8_e4m3fn for an e4m3 format; for an e2m1 format float32
     values of the e2m1 grid (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, the sign of a zero kept: -0.0
     is nibble 8), one per nope dim (``e2m1_encode`` gives the nibbles, ``pack_nibbles`` the
     bytes). Either way ``codes.float() * scale`` (per group) is the dequantized nope part."""
@@ -309,11 +473,17 @@ def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer:
 
 
 def _scale_record(fmt: KvFormat, scale: torch.Tensor) -> torch.Tensor:
-    """The stored scale bytes [..., scale_bytes] (uint8) of float32 scales [..., groups]."""
+    """The stored scale bytes [..., scale_bytes] (uint8) of float32 scales [..., groups]. A
+    UE8M0 scale past float32's range (inf: byte 0xFF is 2**128, a V4.1 writer's mark of a group
+    holding NaN or Inf; NaN alike) is 0xFF; a NaN E4M3 scale is 0x7F, as the writers'
+    satfinite conversion gives it; so either round-trips through ``decode_scales``."""
     if fmt.scale_type == "ue8m0":
-        return (torch.log2(scale) + UE8M0_BIAS).round().to(torch.uint8)
+        finite = torch.isfinite(scale)
+        byte = torch.log2(torch.where(finite, scale, 1.0)) + UE8M0_BIAS
+        return torch.where(finite, byte.round(), 0xFF).to(torch.uint8)
     if fmt.scale_type == "e4m3":  # e4m3 values: exact
-        return scale.float().to(torch.float8_e4m3fn).view(torch.uint8)
+        byte = scale.float().to(torch.float8_e4m3fn).view(torch.uint8)
+        return torch.where(torch.isnan(scale), E4M3_NAN, byte).to(torch.uint8)
     return scale.contiguous().view(torch.uint8).reshape(*scale.shape[:-1], fmt.scale_bytes)
 
 
@@ -323,11 +493,16 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
     (NHD; W: the format's bytes per token, or the row stride of an inline format), as ``writer``
     (``WRITERS``; default the first) writes it.
 
-    ``block_stride`` (bytes, a multiple of 16) defaults to ``default_block_stride``;
-    ``row_stride`` (inline formats) to the format's default pitch. Bytes that hold no data
-    (padding, MODEL1's pad byte, the unused tail of a wide row) are ``fill``; the 4 pad bytes
-    of an e2m1 format's footer record are 0 whatever ``fill`` (its specification). The result
-    is a uint8 view of a ``[num_blocks, block_stride]`` buffer on the latent's device."""
+    ``block_stride`` (bytes, a multiple of 16; for a flat-row format with P > 1 a whole
+    number of rows) defaults to ``default_block_stride``; ``row_stride`` (inline formats) to
+    the format's default pitch. A footer format's block is its P data rows, then P footer
+    records; an inline format's its P rows ``[data | scales]``, ``row_stride`` apart. Bytes
+    that hold no data (padding, the rows a flat-row block holds past its P tokens, MODEL1's
+    pad byte, the unused tail of a wide row) are ``fill``; the 4 pad bytes of an NVFP4
+    footer record are 0 whatever ``fill`` (its specification). Token t of block b is slot
+    b * P + t, or for flat rows index b * R + t (R = block_stride / row_stride: the same
+    where blocks are unpadded). The result is a uint8 view of a ``[num_blocks, block_stride]``
+    buffer on the latent's device."""
     fmt = get_format(kv_format)
     if latent.dim() != 3 or latent.shape[-1] != fmt.d_qk:
         raise ValueError(f"latent must be [num_blocks, P, {fmt.d_qk}] for {fmt.name}, got {list(latent.shape)}")
@@ -340,6 +515,9 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
     if stride < used or stride % ALIGN != 0:
         raise ValueError(f"block_stride {stride} must be >= {used} (P={page} tokens of {fmt.name}) and a multiple "
                          f"of {ALIGN}")
+    flat_row_error = _flat_row_block_error(fmt, page, stride, pitch)
+    if flat_row_error:
+        raise ValueError(f"block_stride: {flat_row_error}")
     codes, scale, rope = quantize_latent(latent, fmt.name, writer)
     # a row's worth of storage past the last block: the view of a wide last row stays inside it
     storage = torch.full((num_blocks * stride + pitch,), fill, dtype=torch.uint8, device=latent.device)
@@ -366,19 +544,21 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
 # ---------------------------------------------------------------------- readers
 def _gather_raw(view: CacheView, slots: torch.Tensor):
     """The row bytes (uint8 [n, row_bytes]) and scale records (uint8 [n, scale_bytes]) of
-    ``slots`` (flattened, every one in ``[0, num_slots)``)."""
-    fmt, page = view.fmt, view.page_block_size
+    ``slots`` (flattened, every one in ``[0, num_slots)``), addressed as the kernels do: block
+    ``slot // index_page``, row ``slot % index_page`` (``CacheView``), in the bytes of the
+    whole cache (a flat row may lie in a block's padding)."""
+    fmt, span = view.fmt, view.span
     flat = slots.reshape(-1).long()
-    block = (flat // page)[:, None]
-    offset = (flat % page)[:, None]
-    dev = view.blocks.device
-    row_start = offset * (view.row_stride if fmt.inline else fmt.row_bytes)
-    rows = view.blocks[block, row_start + torch.arange(fmt.row_bytes, device=dev)]
+    block_start = (flat // view.index_page * view.block_stride)[:, None]
+    offset = (flat % view.index_page)[:, None]
+    dev = span.device
+    row_start = block_start + offset * (view.row_stride if fmt.inline else fmt.row_bytes)
+    rows = span[row_start + torch.arange(fmt.row_bytes, device=dev)]
     if fmt.inline:
         records = rows[:, fmt.scale_offset:fmt.scale_offset + fmt.scale_bytes]
     else:
-        records = view.blocks[block, page * fmt.row_bytes + offset * fmt.footer_bytes
-                              + torch.arange(fmt.scale_bytes, device=dev)]
+        records = span[block_start + view.page_block_size * fmt.row_bytes + offset * fmt.footer_bytes
+                       + torch.arange(fmt.scale_bytes, device=dev)]
     return rows, records
 
 
@@ -424,7 +604,11 @@ def gather_slots(view: CacheView, slots: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_cache(cache: torch.Tensor, kv_format: str | None = None) -> torch.Tensor:
-    """Dequantize a whole cache view back to float32 ``[num_blocks, P, d_qk]``."""
+    """Dequantize a whole cache view back to float32 ``[num_blocks, P, d_qk]``: each block's P
+    tokens (a flat-row format's block b, row t is index b * R + t; the rows a padded block
+    holds past its tokens are left out)."""
     view = read_cache_view(cache, kv_format)
-    slots = torch.arange(view.num_slots, device=view.blocks.device).view(view.num_blocks, view.page_block_size)
+    dev = view.blocks.device
+    slots = (torch.arange(view.num_blocks, device=dev)[:, None] * view.index_page
+             + torch.arange(view.page_block_size, device=dev)[None, :])
     return gather_slots(view, slots)

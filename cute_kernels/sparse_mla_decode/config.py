@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
 from . import tuning
-from .kv_format import DEFAULT_FORMAT, D_V, KvFormat, get_format
+from .kv_format import DEFAULT_FORMAT, D_V, NOPE_TILE, KvFormat, get_format
 from .smem import Region, SmemPlan
 
 PRECISIONS = ("bf16", "f16", "fp8", "mxf8")
@@ -26,9 +26,12 @@ F16_P_ROW_BYTES = 80  # bytes per head row of P in f16 or bf16: 32 entries + 8 (
 def precisions_of(fmt: KvFormat) -> tuple[str, ...]:
     """The compute paths a format has: "mxf8" (the block-scaled MMA takes UE8M0 scale bytes)
     only for UE8M0 scales; FP32 scales are applied after the MMA; e2m1 values (NVFP4) only
-    "f16" (value times scale becomes an exact f16 operand in registers)."""
+    "f16" (value times scale becomes an exact f16 operand in registers); UE8M0 scales per 32
+    dims (DeepSeek-V4.1) "f16" and "bf16" (the FP8 paths apply one scale per 64-dim MMA unit)."""
     if fmt.e2m1:
         return ("f16",)
+    if fmt.scale_type == "ue8m0" and fmt.scale_group != NOPE_TILE:
+        return ("f16", "bf16")
     return tuple(p for p in PRECISIONS if p != "mxf8" or fmt.scale_type == "ue8m0")
 
 

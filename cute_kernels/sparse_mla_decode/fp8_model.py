@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_format import FLT_MIN, gather_slot_parts, read_cache_view
+from .cache_format import FLT_MIN, extra_format_of, gather_slot_parts, read_cache_view
 from .kv_format import FP8_E4M3_MAX
 from .reference import apply_sink_and_empty, valid_entries
 
@@ -120,8 +120,11 @@ def fp8_path_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tens
     qf = q.float()
     lists = [_list_parts(qf, kv_cache, fmt.name, indices, call.get("topk_length"), sm_scale)]
     if extra_kv_cache is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
-        lists.append(_list_parts(qf, extra_kv_cache, call.get("extra_kv_format"), extra_indices,
-                                 call.get("extra_topk_length"), sm_scale))
+        extra_fmt = extra_format_of(extra_kv_cache, fmt, call.get("extra_kv_format"))  # as the API reads it
+        if extra_fmt.e2m1:
+            raise ValueError(f"the FP8 paths do not read {extra_fmt.name} caches (e2m1 values): nothing to model")
+        lists.append(_list_parts(qf, extra_kv_cache, extra_fmt.name, extra_indices, call.get("extra_topk_length"),
+                                 sm_scale))
     scores = torch.cat([s for s, *_ in lists], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)

@@ -61,6 +61,9 @@ class ChunkGather:
         self.slots = cfg.slot_buffers
         self.stage_bytes = cfg.stage_bytes
         self.scale_off = cfg.block_n * self.row_pitch  # a footer format's scale records follow the rows
+        # entry e's scale record in a stage: at scale_start + e * scale_pitch (inline: in the row)
+        self.scale_start = cfg.fmt.scale_offset if cfg.fmt.inline else self.scale_off
+        self.scale_pitch = self.row_pitch if cfg.fmt.inline else cfg.fmt.footer_bytes
         self.index_thread0 = index_thread0
         self.index_chunks = cfg.stages if index_chunks is None else index_chunks
         assert self.index_chunks <= self.slots
@@ -300,9 +303,9 @@ class ChunkGather:
             cp_async_zfill(dst + 16 * piece, src + 16 * piece, 16, nbytes)
 
     def _copy_scales(self, dst, src, valid):
-        """A footer format's scale record: one 8-byte cp.async (MODEL1) or 16-byte ones (NVFP4's
-        32-byte records), read when ``valid`` is 1 and zero-filled when 0 (an entry that does
-        not count)."""
+        """A footer format's scale record: one 8-byte cp.async (MODEL1) or 16-byte ones (V4.1
+        FP8's 16-byte records, the NVFP4 formats' 32-byte ones), read when ``valid`` is 1 and
+        zero-filled when 0 (an entry that does not count)."""
         size = self.fmt.footer_bytes
         piece = 8 if size == 8 else 16
         assert size % piece == 0, "a footer record is one 8-byte or whole 16-byte cp.async pieces"

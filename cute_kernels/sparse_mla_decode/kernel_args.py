@@ -61,8 +61,11 @@ PARTIAL_ARGS = (
     *_list_args("extra"),
     Arg("sm_scale_log2", "f32"),  # sm_scale * log2(e)
     Arg("chunks_per_split", "i32"),
-    Arg("num_splits", "i32"),
-    Arg("o_part", "ptr", "f32", 16),  # [T, splits, H, 512] normalized partial outputs (split mode)
+    Arg("num_splits", "i32"),  # splits of the partial outputs (all launches of the call)
+    Arg("launch_splits", "i32", launch_only=True),  # this launch's splits (the grid's y)
+    # [T, splits, H, 512] normalized partial outputs (split mode); a second launch's starts at
+    # its first split (the first launch's splits later)
+    Arg("o_part", "ptr", "f32", 16),
     Arg("lse_part", "ptr", "f32", 4),  # [T, splits, H] their lse, log2 units (split mode)
     Arg("out", "ptr", "bf16", 8),  # [T, H, 512] (final mode)
     Arg("out_stride_t", "i64"),

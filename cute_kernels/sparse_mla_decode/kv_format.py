@@ -12,6 +12,16 @@ Where the scales sit:
   apart inside a page block (a runtime value, at least ``row_bytes``; bytes past ``row_bytes``
   are never read).
 
+How an index finds its row: paged (most formats), slot s in page block s // P at
+offset s % P; or, for ``flat_rows`` formats (DeepSeek-V4.1's inline records, as FlashInfer's
+reader and writers address them), index r names row r of the whole cache viewed as rows
+``row_stride`` apart: block r // R, row r % R, with R = block_stride / row_stride rows per
+block (the block stride a whole number of rows). The two agree when blocks carry no padding
+(block_stride == P * row_stride); b12x's V4.1 writer and reader use paged addressing
+(``(s // P) * block_stride + (s % P) * row_stride``), which differs from FlashInfer's for
+padded blocks. The kernels see one addressing: flat rows are paged rows with P = R
+(``cache_format.CacheView.index_page``).
+
 The cache validation, packers, unpacker, reference, the kernels' gather and dequantization,
 the variant key, the AOT registry and the error messages all take their facts from here; the
 kernels get them as compile-time constants. Plain Python: no torch, no CUTLASS.
@@ -45,6 +55,7 @@ class KvFormat:
     footer_pad: int = 0
     row_pitches: tuple[int, ...] = ()
     element: str = "e4m3"  # the nope values: "e4m3" (a byte each) | "e2m1" (two to a byte)
+    flat_rows: bool = False  # inline only: an index is a row of the whole cache (module docstring)
 
     @property
     def e2m1(self) -> bool:
@@ -76,6 +87,11 @@ class KvFormat:
     def default_sm_scale(self) -> float:
         """The softmax scale when a caller gives none: d_qk ** -0.5 (FlashMLA's)."""
         return self.d_qk ** -0.5
+
+    @property
+    def tile_scales(self) -> int:
+        """Scale groups per 64-dim nope tile (the scales one "f16" nope warp applies)."""
+        return max(1, NOPE_TILE // self.scale_group)
 
     @property
     def num_scales(self) -> int:
@@ -136,16 +152,23 @@ class KvFormat:
         return self.row_bytes + self.footer_bytes
 
     def __post_init__(self):
-        # what the kernels read: e4m3 values with a UE8M0 scale per 64 dims or an FP32 scale
-        # per 128; e2m1 values with an E4M3 scale per 16 (NVFP4), in footers of 16-byte records
-        kinds = {("e4m3", "ue8m0"): NOPE_TILE, ("e4m3", "fp32"): 2 * NOPE_TILE, ("e2m1", "e4m3"): 16}
+        # what the kernels read: e4m3 values with a UE8M0 scale per 64 or 32 dims or an FP32
+        # scale per 128; e2m1 values with an E4M3 scale per 16 (NVFP4); footer records read by
+        # whole 16-byte pieces (or MODEL1's one 8-byte piece)
+        kinds = {("e4m3", "ue8m0"): (NOPE_TILE, NOPE_TILE // 2), ("e4m3", "fp32"): (2 * NOPE_TILE,),
+                 ("e2m1", "e4m3"): (16,)}
         if self.nope_dims % NOPE_TILE or self.nope_dims % self.scale_group:
             raise ValueError(f"{self.name}: nope dims must be a multiple of {NOPE_TILE} and of the scale group")
-        if kinds.get((self.element, self.scale_type)) != self.scale_group or self.scale_placement not in ("footer", "inline"):
-            raise ValueError(f"{self.name}: the kernels read {kinds} (element, scale type): group, in a footer "
+        if (self.scale_group not in kinds.get((self.element, self.scale_type), ())
+                or self.scale_placement not in ("footer", "inline")):
+            raise ValueError(f"{self.name}: the kernels read {kinds} (element, scale type): groups, in a footer "
                              f"or inline")
-        if self.e2m1 and (self.inline or self.footer_bytes % 16):
-            raise ValueError(f"{self.name}: e2m1 rows take a footer of whole 16-byte records")
+        if self.footer_bytes not in (0, 8) and self.footer_bytes % 16:
+            raise ValueError(f"{self.name}: footer records are 8 bytes or whole 16-byte pieces")
+        if self.flat_rows and not self.inline:
+            raise ValueError(f"{self.name}: flat-row addressing is for inline records")
+        if self.inline and self.scale_offset % 4:
+            raise ValueError(f"{self.name}: inline scales start 4-byte aligned in the row")
         if self.d_v != D_V or self.rope_dims % 16:
             raise ValueError(f"{self.name}: the kernels take {D_V} value dims and rope dims in k16 steps")
 
@@ -171,16 +194,47 @@ GLM_NOPE_FP8 = KvFormat(
     row_pitches=(528, 656),
 )
 
-FORMATS = {f.name: f for f in (MODEL1_FP8, MODEL1_NVFP4, V32_FP8, GLM_NOPE_FP8)}
+V41_FP8 = KvFormat(
+    name="v41_fp8", model_type="DeepSeek-V4.1 sparse MLA decode (528 B FP8 rows, footer UE8M0 scales per 32)",
+    nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="ue8m0", scale_group=32, scale_placement="footer",
+)
+V41_FP8_INLINE = KvFormat(
+    name="v41_fp8_inline", model_type="DeepSeek-V4.1 sparse MLA decode (528 B FP8 records, inline UE8M0 per 32)",
+    nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="ue8m0", scale_group=32, scale_placement="inline",
+    row_pitches=(528,), flat_rows=True,
+)
+V41_NVFP4 = KvFormat(
+    name="v41_nvfp4", model_type="DeepSeek-V4.1 sparse MLA decode (288 B NVFP4 extra rows, footer E4M3 scales)",
+    nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="e4m3", scale_group=16, scale_placement="footer",
+    element="e2m1",
+)
+V41_NVFP4_INLINE = KvFormat(
+    name="v41_nvfp4_inline", model_type="DeepSeek-V4.1 sparse MLA decode (288 B NVFP4 extra records, inline "
+    "E4M3 scales)", nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="e4m3", scale_group=16,
+    scale_placement="inline", row_pitches=(288,), flat_rows=True, element="e2m1",
+)
+
+FORMATS = {f.name: f for f in (MODEL1_FP8, MODEL1_NVFP4, V32_FP8, GLM_NOPE_FP8, V41_FP8, V41_FP8_INLINE, V41_NVFP4,
+                               V41_NVFP4_INLINE)}
 DEFAULT_FORMAT = MODEL1_FP8.name
 # the format a cache of this last-dimension width is read as unless ``kv_format`` names one:
 # 584 is MODEL1's alone; 656 is V3.2's row and also a GLM-5.3 pool pitch (vLLM keeps GLM-5.3
-# rows in 656-byte pool rows), read as V3.2 unless named; a 528-byte row must be named
+# rows in 656-byte pool rows), read as V3.2 unless named; 384 is MODEL1 NVFP4's alone; a
+# 528-byte row (GLM-5.3, V4.1 FP8) and a 288-byte one (V4.1 NVFP4) must be named
 FORMAT_BY_WIDTH = {MODEL1_FP8.bytes_per_token: MODEL1_FP8.name, MODEL1_NVFP4.bytes_per_token: MODEL1_NVFP4.name,
                    V32_FP8.row_bytes: V32_FP8.name}
 # which formats a main cache of one format may be combined with as the extra (compressed)
-# cache: only where a model does so (DeepSeek-V4's sliding window plus compressed cache)
-EXTRA_FORMATS = {MODEL1_FP8.name: (MODEL1_FP8.name,), MODEL1_NVFP4.name: (MODEL1_NVFP4.name,)}
+# cache: the models' combinations. DeepSeek-V4: its FP8 or NVFP4 record for either cache (a
+# deployment may keep the compressed cache in the smaller record, or the sliding window);
+# DeepSeek-V4.1: an FP8 sliding-window cache with an FP8 or NVFP4 compressed cache, both with
+# the same scale placement (FlashInfer's footer route, or FlashMLA's V4.1 inline records).
+# The extra cache's format: ``cache_format.extra_format_of``.
+EXTRA_FORMATS = {MODEL1_FP8.name: (MODEL1_FP8.name, MODEL1_NVFP4.name),
+                 MODEL1_NVFP4.name: (MODEL1_NVFP4.name, MODEL1_FP8.name),
+                 V41_FP8.name: (V41_FP8.name, V41_NVFP4.name),
+                 V41_FP8_INLINE.name: (V41_FP8_INLINE.name, V41_NVFP4_INLINE.name)}
+# formats served only as an extra cache (no model reads them as its main cache)
+EXTRA_ONLY_FORMATS = tuple(sorted({e for extras in EXTRA_FORMATS.values() for e in extras} - set(EXTRA_FORMATS)))
 
 
 def get_format(name: str) -> KvFormat:

@@ -2,8 +2,11 @@
 
 Work item (one CTA): query token t, a block of 16 or 32 query heads (``head_groups`` m16 MMA
 tiles), and a contiguous range of 32-entry chunks of the token's selected entries, main list
-first, then extra. Grid: (num_tokens x ceil(H / heads_per_cta), num_splits); split s owns
-chunks [s * chunks_per_split, (s + 1) * chunks_per_split). Per chunk: the gather lands the
+first, then extra. Grid: (num_tokens x ceil(H / heads_per_cta), launch_splits); split s owns
+chunks [s * chunks_per_split, (s + 1) * chunks_per_split) and writes split s of the partial
+outputs [T, num_splits, H, 512] (a call whose two lists have two formats launches a kernel per
+list; the second's o_part and lse_part start at the first's splits' end, so that its splits
+follow them: ``dispatch.plan.DecodePlan._extra_list_values``). Per chunk: the gather lands the
 selected rows in shared memory (``gather.py``), QK and PV run on ``mma.sync``, an online
 softmax joins them (``softmax.py``); the outputs are the split's normalized partial and lse,
 or, with one split, the final bf16 output and natural-log lse (``epilogue.py``).
@@ -73,7 +76,7 @@ class PartialKernel:
         p = KernelParams(PARTIAL_ARGS, args)
         head_blocks = (p.num_heads + self.hb - 1) // self.hb
         self.kernel(p.for_device(), *self.kernel_operands()).launch(
-            grid=(p.num_tokens * head_blocks, p.num_splits, 1),  # see Epilogue.block_coords
+            grid=(p.num_tokens * head_blocks, p.launch_splits, 1),  # see Epilogue.block_coords
             block=(self.nthr, 1, 1),
             stream=args[-1],
             # .minnctapersm: 1 lets ptxas use every register (without it, it capped the

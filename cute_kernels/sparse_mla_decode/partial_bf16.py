@@ -39,7 +39,7 @@ from cutlass.memory import SmemAllocator
 
 from .device_utils import load_smem_u8, smem_scalar
 from .kernel_args import KernelParams
-from .kv_format import D_V, NOPE_TILE
+from .kv_format import D_V
 from .partial import PartialKernel
 from .softmax import exchange_s, quad_online_softmax
 from .tuning import DEQUANT_VALUES
@@ -240,8 +240,8 @@ class PartialBf16Kernel(PartialKernel):
         if const_expr(self.fp32_scales):
             dst.store(f8.load().to(Float32).to(BFloat16))
         else:
-            factor = ue8m0_scale(load_smem_u8(stage_base + self.gather.scale_off + row * fmt.footer_bytes
-                                              + col // NOPE_TILE))
+            factor = ue8m0_scale(load_smem_u8(stage_base + self.gather.scale_start + row * self.gather.scale_pitch
+                                              + col // fmt.scale_group))
             dst.store((f8.load().to(Float32) * factor).to(BFloat16))
 
     @cute.jit

@@ -40,11 +40,16 @@ Per chunk of 32 entries:
    accumulator is in units of R_w's scale. The accumulators are rescaled (a loop of 0 or 1
    pass) only when a head's max or R_w moved. The rope warp (MODEL1): P in bf16 times the
    rope rows.
+UE8M0 per 32 dims (DeepSeek-V4.1's FP8 records, ``KvFormat.tile_scales`` 2): each half of a
+tile is a scale group of its own: QK chains k16 steps 0-1 and 2-3 into two accumulators, each
+times its entry's scale; PV keeps an R and a P' per half (value columns 0-31 and 32-63), the
+accumulators of a half in units of its R.
 NVFP4 (e2m1 values, ``KvFormat.e2m1``): a tile is 32 bytes of a row and its 4 E4M3 scales
-are in the footer record. Each value operand is e2m1 x 2**-6, as e4m3 by shifts and masks
-(``warp_ops.e2m1x8_to_e4m3x8``) then f16 by ``cvt.rn.f16x2.e4m3x2``, times its entry's scale
-in f16 (one ``mul.rn.f16x2``: exact, ``_e2m1_qk_fragments``, ``_e2m1_pv``); P needs no scale
-and no running maximum; the nope partials and the output carry the 2**6.
+are in the scale record (footer, or inline in the row: ``ChunkGather.scale_start``). Each
+value operand is e2m1 x 2**-6, as e4m3 by shifts and masks (``warp_ops.e2m1x8_to_e4m3x8``)
+then f16 by ``cvt.rn.f16x2.e4m3x2``, times its entry's scale in f16 (one ``mul.rn.f16x2``:
+exact, ``_e2m1_qk_fragments``, ``_e2m1_pv``); P needs no scale and no running maximum; the
+nope partials and the output carry the 2**6.
 Gather: the first two chunks' rows, on every call's critical path, are copied by all the
 threads; in the main loop the rope warp alone issues the next chunks' indices, masks, rows
 and scales (``ChunkGather.locate_rows`` / ``copy_rows``): ``tuning.EARLY_ROW_GROUPS`` of its
@@ -126,6 +131,10 @@ class PartialF16Kernel(PartialKernel):
         assert not self.rope_in_softmax or (fmt.rope_in_v and not fmt.fp32_scales)
         self.fp32_scales = fmt.fp32_scales
         self.e2m1 = fmt.e2m1
+        # UE8M0 scales per nope tile (MODEL1: 1; DeepSeek-V4.1's per 32 dims: 2, k16 steps 0-1
+        # and 2-3 of QK, value columns 0-31 and 32-63): a running maximum R and an accumulator
+        # unit each; the other formats keep one (FP32: the tile's group; e2m1: none needed)
+        self.tile_r = fmt.tile_scales if fmt.scale_type == "ue8m0" else 1
         # where the rope warp issues the indices of a later chunk: with the late rows, stages
         # + 1 chunks ahead (one cp.async group per chunk), or after the chunk-head barrier,
         # stages ahead (their own group); with stages + 1 buffers a late issue in chunk c
@@ -136,7 +145,8 @@ class PartialF16Kernel(PartialKernel):
         # barrier; the rest after the softmax
         self.early_row_groups = tuning.EARLY_ROW_GROUPS[cfg.head_groups]
         self.softmax = SpreadSoftmax(cfg)
-        self.qk_tiles_at_once = tuning.F16_QK_TILES_AT_ONCE[cfg.head_groups, cfg.two_ctas_per_sm]
+        self.qk_tiles_at_once = (tuning.F16_QK_TILES_AT_ONCE[cfg.head_groups, cfg.two_ctas_per_sm] if self.tile_r == 1
+                                 else tuning.F16_QK_TILES_AT_ONCE_TWO_SCALES[cfg.head_groups])
         # e2m1: one ldmatrix.x4 gives two n tiles (``_e2m1_qk_fragments``)
         assert not self.e2m1 or self.qk_tiles_at_once % 2 == 0
         self.rope_qk_tiles_at_once = tuning.F16_ROPE_QK_TILES_AT_ONCE[cfg.head_groups, cfg.two_ctas_per_sm]
@@ -288,13 +298,17 @@ class PartialF16Kernel(PartialKernel):
         acc_O.fill(0.0)
         # R_w: the running max of this tile's scale over the split's valid entries so far (UE8M0,
         # the byte; FP32, the scale's bits, at least 2**-126)
-        r_run = cute.make_rmem_tensor(1, Int32)
+        nr = self.tile_r
+        r_run = cute.make_rmem_tensor(nr, Int32)
         r_run.fill(FLT_MIN_BITS if self.fp32_scales else 0)
-        # the scales of this thread's entries 8 nb + 2 q + i at 2 nb + i: UE8M0 bytes or FP32 values
-        sbytes = cute.make_rmem_tensor(8, Int32)
+        # the scales of this thread's entries 8 nb + 2 q + i at 2 nb + i: UE8M0 bytes (scale
+        # group h of the tile at (2 nb + i) * nr + h) or FP32 values
+        sbytes = cute.make_rmem_tensor(8 * nr, Int32)
         sf = cute.make_rmem_tensor(8 if self.fp32_scales else 1, Float32)
-        group = (w * UNIT) // fmt.scale_group  # this tile's scale group
-        scale_at = fmt.scale_offset + 4 * group  # FP32: the scale's byte offset in a row
+        group = (w * UNIT) // fmt.scale_group  # this tile's (first) scale group
+        # entry e's scale record in a stage at scale_start + e * spitch; this tile's scale in it
+        spitch = self.gather.scale_pitch
+        scale_at = group * (4 if self.fp32_scales else 1)
         k_row = (lane % 8) * pitch + (lane // 8) * 16 + w * UNIT  # ldmatrix row of QK
         if const_expr(self.e2m1):  # one ldmatrix.x4: entries 8 (i // 2) + r, bytes 16 (i % 2).. of the tile
             k_row = (8 * (lane // 16) + lane % 8) * pitch + 16 * ((lane // 8) % 2) + w * fmt.tile_bytes
@@ -310,29 +324,32 @@ class PartialF16Kernel(PartialKernel):
             self.gather.next_chunk(ctx, c, c_end, step, issue=False)
             stage_base = ctx.raw_base + (step % self.stages) * self.gather.stage_bytes
             valid_rows = ctx.sMask[buf]
-            scale_base = stage_base + self.gather.scale_off
-            r_old = r_run[0]
-            r_new = r_old
+            scale_base = stage_base + self.gather.scale_start
+            r_old = [r_run[h] for h in range(nr)]
+            r_new = list(r_old)
+            mine = [Int32(0)] * nr
             if const_expr(self.e2m1):
                 pass  # the E4M3 scales go into the value operands (``_e2m1_qk_fragments``, ``_e2m1_pv``)
             elif const_expr(self.fp32_scales):
                 for nb in cutlass.range_constexpr(4):
                     for i in cutlass.range_constexpr(2):
-                        sf[2 * nb + i] = _smem_scalar(Float32, stage_base + (8 * nb + 2 * qd + i) * pitch + scale_at)[0]
-                mine = f32_bits(_smem_scalar(Float32, stage_base + lane * pitch + scale_at)[0])
+                        sf[2 * nb + i] = _smem_scalar(Float32, scale_base + (8 * nb + 2 * qd + i) * spitch + scale_at)[0]
+                mine = [f32_bits(_smem_scalar(Float32, scale_base + lane * spitch + scale_at)[0])]
             else:
                 for nb in cutlass.range_constexpr(4):
                     for i in cutlass.range_constexpr(2):
-                        sbytes[2 * nb + i] = load_smem_u8(scale_base + (8 * nb + 2 * qd + i) * fmt.footer_bytes + w)
-                mine = load_smem_u8(scale_base + lane * fmt.footer_bytes + w)
+                        entry = scale_base + (8 * nb + 2 * qd + i) * spitch + scale_at
+                        for h in cutlass.range_constexpr(nr):
+                            sbytes[(2 * nb + i) * nr + h] = load_smem_u8(entry + h)
+                mine = [load_smem_u8(scale_base + lane * spitch + scale_at + h) for h in range(nr)]
             if const_expr(not self.e2m1):
-                if (valid_rows >> lane) & 1 == 0:
-                    mine = Int32(0)
-                r_new = cutlass.max(r_old, warp_max_u32(mine))
-                r_run[0] = r_new
+                counts = (valid_rows >> lane) & 1
+                for h in cutlass.range_constexpr(nr):
+                    r_new[h] = cutlass.max(r_old[h], warp_max_u32(mine[h] * counts))
+                    r_run[h] = r_new[h]
             if const_expr(self.fp32_scales):  # R_w for the softmax's folding (read after the S barrier)
                 if lane == 0:
-                    _smem_scalar(Float32, bases.scale_max + 4 * w)[0] = f32_from_bits(r_new)
+                    _smem_scalar(Float32, bases.scale_max + 4 * w)[0] = f32_from_bits(r_new[0])
 
             # S_w = Q_w K_w^T times each entry's scale; n tiles in pairs, their MMA chains
             # interleaved (one tile at a time, ptxas issued the 16 MMAs back to back on one
@@ -349,52 +366,62 @@ class PartialF16Kernel(PartialKernel):
                         kb = ldsm_x4(stage_base + k_row + 8 * nb * pitch, trans=False)
                         b[nb] = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
                 for m in cutlass.range_constexpr(mt):
-                    d = {nb: [Float32(0.0)] * 4 for nb in tiles}
+                    # per n tile and scale group h of the tile (k16 steps 4 h / nr ..): a chain of MMAs
+                    d = {nb: [[Float32(0.0)] * 4 for _ in range(nr)] for nb in tiles}
                     for i in cutlass.range_constexpr(4):
                         for nb in tiles:
-                            d[nb] = mma_f16(d[nb], [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[nb][i])
+                            h = i * nr // 4
+                            d[nb][h] = mma_f16(d[nb][h], [qf[(m * 4 + i) * 4 + a] for a in range(4)], b[nb][i])
                     for nb in tiles:
                         if const_expr(self.e2m1):  # the scales are in the operands
-                            self._store_s_part(bases, w, m, nb, lane, d[nb])
+                            self._store_s_part(bases, w, m, nb, lane, d[nb][0])
                         else:
-                            kf = [self._entry_scale(sbytes, sf, 2 * nb + i) for i in range(2)]
-                            self._store_s_part(bases, w, m, nb, lane, [d[nb][0] * kf[0], d[nb][1] * kf[1],
-                                                                       d[nb][2] * kf[0], d[nb][3] * kf[1]])
+                            kf = [[self._entry_scale(sbytes, sf, 2 * nb + i, h) for i in range(2)] for h in range(nr)]
+                            s_part = [d[nb][0][k] * kf[0][k % 2] for k in range(4)]
+                            for h in cutlass.range_constexpr(1, nr):
+                                s_part = [s_part[k] + d[nb][h][k] * kf[h][k % 2] for k in range(4)]
+                            self._store_s_part(bases, w, m, nb, lane, s_part)
             cute.arch.sync_threads()
             moved = self.softmax.step(sm, bases, valid_rows, tidx, step, stage_base)
 
             # O_w = O_w * correction * R_old / R_new + P' V_w, P' = P s / R_w
-            pa = []
-            ratio = Float32(1.0)
+            # pa[h]: the A fragments of P' for the value columns of scale group h of the tile
+            pa = [[] for _ in range(nr)]
+            ratios = [Float32(1.0)]
             if const_expr(self.e2m1):  # P itself: the scales are in the value operands
-                pa = [self._load_p(bases.p16, m, s, lane) for m in range(mt) for s in range(2)]
+                pa = [[self._load_p(bases.p16, m, s, lane) for m in range(mt) for s in range(2)]]
             elif const_expr(self.fp32_scales):  # P' as the softmax folded it (this tile's group's row)
-                ratio = f32_from_bits(r_old) * rcp_approx(f32_from_bits(r_new))
+                ratios = [f32_from_bits(r_old[0]) * rcp_approx(f32_from_bits(r_new[0]))]
                 for m in cutlass.range_constexpr(mt):
                     for s in cutlass.range_constexpr(2):
-                        pa.append(self._load_p(bases.p16 + group * (self.hb * F16_P_ROW_BYTES), m, s, lane))
+                        pa[0].append(self._load_p(bases.p16 + group * (self.hb * F16_P_ROW_BYTES), m, s, lane))
             else:
                 # UE8M0: P' scale pairs: k16 step s, entries 16 s + 2 q + {0, 1} (n tile 2 s) and
                 # 16 s + 8 + 2 q + {0, 1} (n tile 2 s + 1); 2**(b - R_w) as (b << 23) +
                 # ((127 - R_w) << 23): one multiply-add and a max per byte
-                ratio = pow2_f32(r_old - r_new)
-                r_bits = (127 - r_new) << 23
-                pfac = [pack_f16x2(*[pow2_f32_bits(sbytes[2 * nt + i] * (1 << 23) + r_bits) for i in range(2)])
-                        for nt in range(4)]
-                for m in cutlass.range_constexpr(mt):
-                    for s in cutlass.range_constexpr(2):
-                        pfr = self._load_p(bases.p16, m, s, lane)
-                        pa.append([mul_f16x2(pfr[0], pfac[2 * s]), mul_f16x2(pfr[1], pfac[2 * s]),
-                                   mul_f16x2(pfr[2], pfac[2 * s + 1]), mul_f16x2(pfr[3], pfac[2 * s + 1])])
-            # the rescale only when a head's reference max or R_w moved (CTA- / warp-uniform),
+                ratios = [pow2_f32(r_old[h] - r_new[h]) for h in range(nr)]
+                pfac = []
+                for h in cutlass.range_constexpr(nr):
+                    r_bits = (127 - r_new[h]) << 23
+                    pfac.append([pack_f16x2(*[pow2_f32_bits(self._scale_bits(sbytes, 2 * nt + i, h) + r_bits)
+                                              for i in range(2)]) for nt in range(4)])
+                if const_expr(nr == 1):  # P' before the rescale (two groups: after it, ``_nope_pv``)
+                    pa = [self._scaled_p(bases.p16, pfac[0], lane)]
+            # the rescale only when a head's reference max or an R moved (CTA- / warp-uniform),
             # in a loop of 0 or 1 pass: ptxas predicated an `if` around it (both paths issued).
             # (Measured, H200: giving each path its own copy of the MMAs, which saves the ~60
             # register moves ptxas puts where the paths meet with 32 heads, was 3-5% slower.)
-            for _ in cutlass.range(moved | Int32(r_new != r_old), unroll=1):
-                self._rescale(acc_O, corr_base, ratio, g)
+            r_moved = Int32(r_new[0] != r_old[0])
+            for h in cutlass.range_constexpr(1, nr):
+                r_moved = r_moved | Int32(r_new[h] != r_old[h])
+            for _ in cutlass.range(moved | r_moved, unroll=1):
+                self._rescale(acc_O, corr_base, ratios, g)
             if const_expr(self.e2m1):
-                self._e2m1_pv(acc_O, pa, stage_base + v_row, scale_base, w, lane)
+                self._e2m1_pv(acc_O, pa[0], stage_base + v_row, scale_base, w, lane)
             else:
+                if const_expr(nr > 1 and not self.fp32_scales):
+                    # both groups' P' held across the rescale loop spilled the 32-head kernel
+                    pa = [self._scaled_p(bases.p16, pfac[h], lane) for h in range(nr)]
                 self._nope_pv(acc_O, pa, stage_base + v_row)
             cute.arch.cp_async_wait_group(0)
 
@@ -402,30 +429,35 @@ class PartialF16Kernel(PartialKernel):
         # column 64 w + 16 blk + 4 q + k of row (m, r) is accumulator ((m * 4 + blk) * 2 + k % 2) * 4
         # + 2 r + k // 2, in units of R_w's scale
         def pieces(m, r):
-            return [(w * UNIT + 16 * blk + 4 * qd, [((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2 for k in range(4)])
-                    for blk in range(4)]
+            return [(w * UNIT + 16 * blk + 4 * qd, [((m * 4 + blk) * 2 + k % 2) * 4 + 2 * r + k // 2 for k in range(4)],
+                     blk * nr // 4) for blk in range(4)]
 
         if const_expr(self.e2m1):
             # e2m1: column 64 w + 32 p + 8 q + 4 h + c of row (m, r) is accumulator ((m * 2 + p) * 4 + c)
             # * 4 + 2 r + h, in units of 2**-6 (``E2M1_F16_EXP``); stored 4 columns at a time, as
             # the other formats' (``out`` rows are only 8-byte aligned)
             def pieces(m, r):
-                return [(w * UNIT + 32 * p + 8 * qd + 4 * h, [((m * 2 + p) * 4 + c) * 4 + 2 * r + h for c in range(4)])
+                return [(w * UNIT + 32 * p + 8 * qd + 4 * h, [((m * 2 + p) * 4 + c) * 4 + 2 * r + h for c in range(4)], 0)
                         for p in range(2) for h in range(2)]
 
-            unit = Float32(2.0 ** E2M1_F16_EXP)
+            units = [Float32(2.0 ** E2M1_F16_EXP)]
         elif const_expr(self.fp32_scales):
-            unit = f32_from_bits(r_run[0])
-        else:
-            unit = ue8m0_scale(r_run[0])
-        self._store_outputs(acc_O, unit, pieces, bases, out, lane)
+            units = [f32_from_bits(r_run[0])]
+        else:  # scale group h's accumulators are in units of its R
+            units = [ue8m0_scale(r_run[h]) for h in range(nr)]
+        self._store_outputs(acc_O, units, pieces, bases, out, lane)
 
     @cute.jit
-    def _entry_scale(self, sbytes, sf, k: int) -> Float32:
-        """This tile's K scale of this thread's entry k (n tile k // 2, column k % 2)."""
+    def _entry_scale(self, sbytes, sf, k: int, h: int = 0) -> Float32:
+        """Scale group h of this tile's K scale of this thread's entry k (n tile k // 2, column
+        k % 2): 2**(b - 127) as ``ue8m0_scale`` (byte 0: 2**-127), or the FP32 value."""
         if const_expr(self.fp32_scales):
             return sf[k]
-        return ue8m0_scale(sbytes[k])
+        return f32_from_bits(cutlass.max(self._scale_bits(sbytes, k, h), Int32(1 << 22)))
+
+    def _scale_bits(self, sbytes, k: int, h: int):
+        """b << 23 (2**(b - 127) as f32 bits) for entry k's UE8M0 byte b of scale group h."""
+        return sbytes[k * self.tile_r + h] << 23
 
     @cute.jit
     def _e2m1_qk_fragments(self, k_addr, scale_base, nb: int, w, lane) -> dict:
@@ -443,7 +475,7 @@ class PartialF16Kernel(PartialKernel):
         frags = {}
         for t in cutlass.range_constexpr(2):
             # the entry's scales of groups 4w + 2p + q // 2 (p = 0, 1), each as an f16 pair
-            word = _smem_scalar(Int32, scale_base + (8 * (nb + t) + g) * self.fmt.footer_bytes + 4 * w)[0]
+            word = _smem_scalar(Int32, scale_base + (8 * (nb + t) + g) * self.gather.scale_pitch + 4 * w)[0]
             sc = e4m3x4_to_f16x2(byte_perm(word, Int32(0), 0x2200 + 0x1111 * (qd // 2)))
             steps = []
             for p in cutlass.range_constexpr(2):
@@ -463,7 +495,7 @@ class PartialF16Kernel(PartialKernel):
         Column class c of piece p is one MMA per k16 step."""
         g = lane // 4
         qd = lane % 4
-        fb = self.fmt.footer_bytes
+        fb = self.gather.scale_pitch
         # scales of entries 8j + 2q + {0, 1}, groups 4w + 2p + g // 4: per j [piece 0, piece 1] f16 pairs
         sp = []
         for j in cutlass.range_constexpr(4):
@@ -488,21 +520,38 @@ class PartialF16Kernel(PartialKernel):
                     for k in cutlass.range_constexpr(4):
                         acc_O[base + k] = d[k]
 
-    def _rescale(self, acc_O, corr_base, ratio, g):
+    def _rescale(self, acc_O, corr_base, ratios, g):
         """acc_O of this thread's head rows (16 m + g + 8 r) times the row's correction (shared
-        memory) times ``ratio`` (both roles keep row r of m tile m at m * 32 + 4 j + 2 r + {0, 1})."""
+        memory) times the ratio of the accumulator's scale group (both roles keep row r of m
+        tile m at m * 32 + 4 j + 2 r + {0, 1}; ``ratios[h]`` covers j in [8 h / n, 8 (h + 1) / n),
+        n = len(ratios): the nope role's value columns 64 h / n ..)."""
         for m in range(self.groups):
             for r in range(2):
-                fo = _smem_scalar(Float32, corr_base + (16 * m + g + 8 * r) * 4)[0] * ratio
+                corr = _smem_scalar(Float32, corr_base + (16 * m + g + 8 * r) * 4)[0]
+                fo = [corr * ratio for ratio in ratios]
                 for k in range(16):
                     idx = m * 32 + 4 * (k // 2) + 2 * r + k % 2
-                    acc_O[idx] = acc_O[idx] * fo
+                    acc_O[idx] = acc_O[idx] * fo[(k // 2) * len(ratios) // 8]
 
-    def _nope_pv(self, acc_O, pa, v_base):
+    def _scaled_p(self, p_base, pfac, lane):
+        """P' = P times each entry's factor: the A fragments of P (``_load_p``) for every m
+        tile and k16 step, times ``pfac`` (per n tile nt, the f16 pair of entries 8 nt + 2 q +
+        {0, 1}): k16 step s holds n tiles 2 s (registers 0, 1) and 2 s + 1 (registers 2, 3)."""
+        pa = []
+        for m in range(self.groups):
+            for s in range(2):
+                pfr = self._load_p(p_base, m, s, lane)
+                pa.append([mul_f16x2(pfr[0], pfac[2 * s]), mul_f16x2(pfr[1], pfac[2 * s]),
+                           mul_f16x2(pfr[2], pfac[2 * s + 1]), mul_f16x2(pfr[3], pfac[2 * s + 1])])
+        return pa
+
+    def _nope_pv(self, acc_O, pas, v_base):
         """acc_O += P' V_w for one chunk: the value fragments by ``ldmatrix.x4.trans`` of the
         raw rows from ``v_base`` (entries 0-7, 8-15, 16-23, 24-31 of 16 columns), one byte
-        permute into (row 2q, row 2q + 1) pairs, then even and odd columns as two MMAs."""
+        permute into (row 2q, row 2q + 1) pairs, then even and odd columns as two MMAs;
+        ``pas[h]``: P' of the tile's scale group h (value columns 64 h / tile_r ..)."""
         for blk in range(4):
+            pa = pas[blk * self.tile_r // 4]
             vfrag = ldsm_x4(v_base + 16 * blk, trans=True)
             bv = [e4m3x4_to_f16x2(vfrag[k], PAIR_COLUMNS) for k in range(4)]  # [even column, odd column]
             for parity in range(2):
@@ -589,7 +638,7 @@ class PartialF16Kernel(PartialKernel):
             if const_expr(fmt.rope_in_v):
                 pa = [self._load_p(bases.pbf, m, s, lane) for m in range(mt) for s in range(2)]
                 for _ in cutlass.range(moved, unroll=1):  # as in the nope role
-                    self._rescale(acc_O, corr_base, Float32(1.0), g)
+                    self._rescale(acc_O, corr_base, [Float32(1.0)], g)
                 self._rope_pv(acc_O, pa, stage_base + v_row)
 
         if const_expr(self.rope_in_softmax):
@@ -599,10 +648,10 @@ class PartialF16Kernel(PartialKernel):
         if const_expr(fmt.rope_in_v):
             # column nope_dims + 8 n + 2 q + i of row (m, r) is accumulator (m * 8 + n) * 4 + 2 r + i
             def pieces(m, r):
-                return [(fmt.nope_dims + 8 * n + 2 * qd, [(m * 8 + n) * 4 + 2 * r + i for i in range(2)])
+                return [(fmt.nope_dims + 8 * n + 2 * qd, [(m * 8 + n) * 4 + 2 * r + i for i in range(2)], 0)
                         for n in range(8)]
 
-            self._store_outputs(acc_O, Float32(1.0), pieces, bases, out, lane)
+            self._store_outputs(acc_O, [Float32(1.0)], pieces, bases, out, lane)
 
     # ------------------------------------------------------------------ shared steps
     @staticmethod
@@ -672,10 +721,10 @@ class PartialF16Kernel(PartialKernel):
         cute.arch.sync_threads()
 
     @cute.jit
-    def _store_outputs(self, acc_O, unit, pieces, bases, out, lane):
-        """This thread's output values, in units of ``unit`` times each head's gate:
-        ``pieces(m, r)`` lists (first column, accumulator indices of adjacent columns) of row r
-        of m tile m."""
+    def _store_outputs(self, acc_O, units, pieces, bases, out, lane):
+        """This thread's output values, in units of ``units[u]`` times each head's gate:
+        ``pieces(m, r)`` lists (first column, accumulator indices of adjacent columns, u) of
+        row r of m tile m."""
         g = lane // 4
         gate_base = bases.gate
         head0, num_heads = out.head0, out.num_heads
@@ -685,6 +734,8 @@ class PartialF16Kernel(PartialKernel):
             for r in cutlass.range_constexpr(2):
                 hrow = 16 * m + g + 8 * r
                 if head0 + hrow < num_heads:
-                    fg = _smem_scalar(Float32, gate_base + hrow * 4)[0] * unit
-                    for col, idx in pieces(m, r):
-                        self.epilogue.store_out([acc_O[k] * fg for k in idx], col, *out_ctx, head0 + hrow, *tail_ctx)
+                    gate = _smem_scalar(Float32, gate_base + hrow * 4)[0]
+                    fg = [gate * unit for unit in units]
+                    for col, idx, u in pieces(m, r):
+                        self.epilogue.store_out([acc_O[k] * fg[u] for k in idx], col, *out_ctx, head0 + hrow,
+                                                *tail_ctx)

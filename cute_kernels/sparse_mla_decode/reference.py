@@ -6,10 +6,13 @@ For each query token t and head h, over the valid entries j of the main list and
 extra list together (ONE softmax):
 
 - an entry is valid when it lies before ``topk_length[t]`` (clamped to [0, topk]) and its
-  slot is in ``[0, num_blocks * P)``; ``-1`` and any other slot are ignored, never read;
+  index is in ``[0, num_slots)`` (``cache_format.CacheView``: ``num_blocks * P``, or for a
+  flat-row format every row inside the tensor's storage); ``-1`` and any other index are
+  ignored, never read;
 - s_j = sm_scale * <q[t, h], k_j>; lse = ln(sum_j exp(s_j)); out = sum_j softmax(s)_j * v_j,
   with k_j the dequantized latent of the slot (d_qk dims) and v_j its first d_v dims
-  (``kv_format.KvFormat``: all of it, or the nope dims only where V excludes the rope);
+  (``kv_format.KvFormat``: all of it, or the nope dims only where V excludes the rope); each
+  cache, main and extra, is read in its own format (the extra one's: ``extra_format_of``);
 - ``attn_sink[h]`` multiplies out by exp(lse) / (exp(lse) + exp(sink)); lse is unchanged;
 - a token with no valid entry gets out = 0 and lse = +inf.
 """
@@ -18,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_format import format_of, gather_slot_parts, read_cache_view
-from .kv_format import EXTRA_FORMATS
+from .cache_format import extra_format_of, format_of, gather_slot_parts, read_cache_view
 
 
 def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None) -> torch.Tensor:
@@ -31,8 +33,10 @@ def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tens
     return valid
 
 
-def _scores_and_values(q, cache, kv_format, indices, topk_length, sm_scale, dtype):
-    view = read_cache_view(cache, kv_format)
+def _scores_and_values(q, cache, fmt, indices, topk_length, sm_scale, dtype):
+    """Scores ``[T, H, k]`` (-inf where an entry is not valid) and values ``[T, k, d_v]`` of
+    one cache read as ``fmt``."""
+    view = read_cache_view(cache, fmt.name)
     valid = valid_entries(indices, view.num_slots, topk_length)
     nope, factor, rope = gather_slot_parts(view, torch.where(valid, indices.long(), 0))
     nope = (nope.to(dtype) * factor.to(dtype)[..., None]).flatten(-2)  # exact in float64 (4 x 24 bits)
@@ -59,18 +63,22 @@ def reference_decode(
 ):
     """Return ``(out [T, H, d_v], lse [T, H])`` in ``dtype`` (float64 by default: the test
     oracle) for ``q [T, H, d_qk]``, ``indices [T, topk]``. ``kv_format``: the main cache's
-    format (None: by the cache's width); ``extra_kv_format``: the extra cache's (None: the one
-    format a model pairs with the main one, ``EXTRA_FORMATS``, as the API reads it; else by
-    the width). The cache values are exact in float32, so ``dtype`` decides only the
-    arithmetic's rounding. ``sm_scale`` defaults to the format's."""
+    format (None: by the cache's width); ``extra_kv_format``: the extra cache's (None: as the
+    API reads it, ``cache_format.extra_format_of``: the main's format where the extra
+    cache's width is one of its, else the one its width names). The cache values are exact
+    in float32, so ``dtype`` decides only the arithmetic's rounding. ``sm_scale`` defaults to
+    the main format's."""
     main_fmt = format_of(kv_cache, kv_format)
     if sm_scale is None:
         sm_scale = main_fmt.default_sm_scale
-    if extra_kv_format is None and len(EXTRA_FORMATS.get(main_fmt.name, ())) == 1:
-        extra_kv_format = EXTRA_FORMATS[main_fmt.name][0]
-    scores, rows = _scores_and_values(q, kv_cache, kv_format, indices, topk_length, sm_scale, dtype)
+    scores, rows = _scores_and_values(q, kv_cache, main_fmt, indices, topk_length, sm_scale, dtype)
     if extra_kv_cache is not None and extra_indices is not None and extra_indices.shape[-1] > 0:
-        s2, r2 = _scores_and_values(q, extra_kv_cache, extra_kv_format, extra_indices, extra_topk_length, sm_scale,
+        extra_fmt = extra_format_of(extra_kv_cache, main_fmt, extra_kv_format)
+        if (extra_fmt.d_qk, extra_fmt.d_v) != (main_fmt.d_qk, main_fmt.d_v):
+            raise ValueError(f"an extra {extra_fmt.name} cache (d_qk {extra_fmt.d_qk}, d_v {extra_fmt.d_v}) cannot "
+                             f"share a softmax with a {main_fmt.name} main cache (d_qk {main_fmt.d_qk}, d_v "
+                             f"{main_fmt.d_v})")
+        s2, r2 = _scores_and_values(q, extra_kv_cache, extra_fmt, extra_indices, extra_topk_length, sm_scale,
                                     dtype)
         scores = torch.cat([scores, s2], dim=-1)
         rows = torch.cat([rows, r2], dim=1)

@@ -25,6 +25,9 @@ EARLY_ROW_GROUPS = {1: 1, 2: 4}
 # "f16", by (head groups, two_ctas_per_sm): QK n tiles per nope warp at once, so that chains
 # of dependent MMAs interleave (4 only without the register bound).  [qk_tiles_at_once]
 F16_QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 2, (2, False): 2, (2, True): 2}
+# "f16" with two UE8M0 scales per nope tile (DeepSeek-V4.1 FP8: two accumulators per n tile),
+# by head groups: with 32 heads one n tile at a time (two spilled on sm_120a).  [qk_tiles_at_once]
+F16_QK_TILES_AT_ONCE_TWO_SCALES = {1: 4, 2: 1}
 # "f16": the same for the rope warp (raw bf16 operands); 2 where 4 would spill.  [rope_qk_tiles_at_once]
 F16_ROPE_QK_TILES_AT_ONCE = {(1, False): 4, (1, True): 4, (2, False): 4, (2, True): 2}
 # "f16": the rope warp issues a later chunk's indices with the late rows (one chunk further
