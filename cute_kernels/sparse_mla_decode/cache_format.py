@@ -10,7 +10,9 @@ packed rows (token stride W); an inline format has W at least its row bytes (a w
 as GLM-5.3 rows in 656-byte pool rows, holds bytes that are never read) and any token stride
 (the row stride) that is a multiple of 16 and at least its row bytes; a 2-D view has the
 format's default row pitch (``flat_pitch``; a view whose width more than one format has, and
-an e2m1 format's 2-D view, is read only where ``kv_format`` names it: ``format_of``).
+an e2m1 format's 2-D view, is read only where ``kv_format`` names it: ``format_of``; an extra
+cache's view is first read as its main cache's format where its width fits it:
+``extra_format_of``).
 The block stride may exceed the block's bytes and must be a multiple of 16, as must the data
 pointer; a flat-row format's (``KvFormat.flat_rows``) must be a whole number of rows.
 ``CacheLayoutError`` says what a view lacks.
