@@ -121,7 +121,9 @@ def registry_calls(precision: str, arch: str):
     """Every (metadata, num_splits, head_groups, two_ctas_per_sm) the dispatch selects
     (``selection.select_kernels``) for the deployment calls (``deployment_calls``) with the
     ``precision`` compute path on ``arch``, with the arch's shared memory per SM, in
-    ``deployment_calls``' order."""
+    ``deployment_calls``' order. For a call of two cache formats (``DecodeMetadata.mixed``)
+    these are the call's total splits and its main list's head groups and bound; its kernels:
+    ``select_kernels(...).variants``."""
     smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
     for md, sms in deployment_calls(precision, arch):
         selection = select_kernels(md, arch, sms, smem_per_sm, precision)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cute_kernels.arch import SMEM_PER_CTA_MAX
+from cute_kernels.sparse_mla_decode.config import PRECISIONS
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 from dispatch import aot_build, loader
 from dispatch.fingerprint import FIELDS, PROJECT_VERSION
@@ -79,23 +80,32 @@ def test_the_build_builds_the_registry_and_the_registry_is_the_variant_space():
         # every variant the dispatch can generate serves some deployment shape, and no other is built
         assert set(planned) == set(variant_space(arch))
         for kv_format in FORMATS:  # every format's kernels, selected by the name the variants carry
-            mine = aot_build.planned_variants([arch], f"_{kv_format}_")
+            # (the format then the precision: "v41_fp8" is also the start of "v41_fp8_inline")
+            mine = aot_build.planned_variants([arch], f"_{kv_format}_(?:{'|'.join(PRECISIONS)})_")
             assert mine and {v.config.kv_format for v in mine} == {kv_format}
 
 
 def test_deployment_grid_holds_every_format():
     """The models served per format: DeepSeek-V4 (MODEL1 FP8; V4-Flash and V4-Pro also NVFP4,
-    on the same shapes), DeepSeek-V3.2 and GLM-5.x (656-byte rows, topk 2048), GLM-5.3
-    (rope-free rows, topk 2176, with 16 heads at TP4: the one-group final-mode kernels are
-    reached only below 17 heads), all on page 64 without an extra cache."""
+    on the same shapes, and either record for either cache), DeepSeek-V4.1-Flash (V4's FP8
+    record, and its own records: FP8 main caches with NVFP4 extra caches), DeepSeek-V3.2 and
+    GLM-5.x (656-byte rows, topk 2048), GLM-5.3 (rope-free rows, topk 2176, with 16 heads at
+    TP4: the one-group final-mode kernels are reached only below 17 heads), all on page 64
+    without an extra cache."""
     by_model = {}
     for s in DEPLOYMENT_SHAPES:
         by_model.setdefault((s.model, s.kv_format), set()).add((s.num_heads, s.topk, s.page_block_size, s.extra_topk))
     assert by_model[("DeepSeek-V3.2", "v32_fp8")] == {(h, 2048, 64, 0) for h in (128, 64, 32, 16, 8)}
     assert by_model[("GLM-5.x", "v32_fp8")] == {(h, 2048, 64, 0) for h in (64, 32, 16, 8, 4)}
     assert by_model[("GLM-5.3", "glm_nope_fp8")] == {(h, 2176, 64, 0) for h in (64, 32, 16)}
-    assert {f for _, f in by_model} == set(FORMATS)
-    assert {f for m, f in by_model if m.startswith("V4")} == {"model1_fp8", "model1_nvfp4"}
+    # every format, as a main cache or (V4.1's NVFP4 records) as an extra cache only
+    assert {f for s in DEPLOYMENT_SHAPES for f in (s.kv_format, s.extra_kv_format) if f} == set(FORMATS)
+    assert {f for m, f in by_model if m in ("V4-Flash", "V4-Pro")} == {"model1_fp8", "model1_nvfp4"}
+    assert {f for m, f in by_model if m == "V4.1-Flash"} == {"model1_fp8", "v41_fp8", "v41_fp8_inline"}
+    pairs = {(s.model, s.kv_format, s.extra_kv_format) for s in DEPLOYMENT_SHAPES if s.extra_kv_format}
+    assert pairs == {(m, "model1_fp8", "model1_nvfp4") for m in ("V4-Flash", "V4-Pro")} | {
+        (m, "model1_nvfp4", "model1_fp8") for m in ("V4-Flash", "V4-Pro")} | {
+        ("V4.1-Flash", "v41_fp8", "v41_nvfp4"), ("V4.1-Flash", "v41_fp8_inline", "v41_nvfp4_inline")}
     for model in ("V4-Flash", "V4-Pro"):
         assert by_model[(model, "model1_nvfp4")] == by_model[(model, "model1_fp8")]
     assert ("V4.1-Flash", "model1_nvfp4") not in by_model  # vLLM keeps V4.1 in the FP8 record

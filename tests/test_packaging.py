@@ -34,15 +34,17 @@ _SERVE_REGISTRY = textwrap.dedent("""
     from pathlib import Path
     import dispatch
     from dispatch import loader
-    from dispatch.registry import registry_calls
-    from dispatch.variants import precisions_for, variants_for
+    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+    from dispatch.registry import deployment_calls
+    from dispatch.selection import select_kernels
+    from dispatch.variants import precisions_for
     assert Path(dispatch.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), dispatch.__file__
     assert loader.require_aot()
     planned = set()
     for arch in ("sm_120a", "sm_121a"):
         for precision in precisions_for(arch):
-            for md, splits, groups, two in registry_calls(precision, arch):
-                planned.update(variants_for(md, arch, splits, groups, precision=precision, two_ctas_per_sm=two))
+            for md, sms in deployment_calls(precision, arch):  # each call's kernels, as a plan selects them
+                planned.update(select_kernels(md, arch, sms, SMEM_PER_SM_BY_ARCH[arch], precision).variants)
     for v in sorted(planned, key=lambda v: v.name):
         loader.get_compiled(v)  # MissingAotVariant if the wheel lacks it
     print(json.dumps({"planned": len(planned), **loader.stats}))
