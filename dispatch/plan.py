@@ -202,8 +202,8 @@ class DecodePlan:
             "attn_sink": optional("attn_sink"), "stream": Bind("stream"),
         }
 
-    _LIST_ARGS = ("cache", "page", "page_magic", "block_stride", "row_stride", "num_slots", "idx", "idx_stride", "topk",
-                  "len")
+    # a list's arguments, without their "main_" / "extra_" prefix (``kernel_args._list_args``)
+    _LIST_ARGS = tuple(a.name.removeprefix("main_") for a in PARTIAL_ARGS if a.name.startswith("main_"))
 
     @staticmethod
     def _main_list_values(values: dict) -> dict:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, MergeConfig, PartialConfig, merge_batch_for
+from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
 
 from .metadata import DecodeMetadata
 from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
-from .variants import KernelVariant, partial_shape_config, variants_for
+from .variants import KernelVariant, merge_variant, partial_shape_config, variants_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def select_kernels(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int
     extra = _select_one(extra_md, arch, num_sms, smem_per_sm, precision, ov,
                         max_splits=MAX_SPLITS - main.num_splits, split_mode=True)
     total = main.num_splits + extra.num_splits
-    merge = KernelVariant(MergeConfig(has_sink=md.has_sink, split_batch=merge_batch_for(total)), arch)
+    merge = merge_variant(md.has_sink, total, arch)
     return dataclasses.replace(main, variants=(main.variants[0], extra.variants[0], merge), extra=extra)
 
 

@@ -191,8 +191,12 @@ def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: in
     )
     if final:
         return (KernelVariant(partial, arch),)
-    merge = MergeConfig(has_sink=md.has_sink, split_batch=merge_batch_for(num_splits))
-    return KernelVariant(partial, arch), KernelVariant(merge, arch)
+    return KernelVariant(partial, arch), merge_variant(md.has_sink, num_splits, arch)
+
+
+def merge_variant(has_sink: bool, num_splits: int, arch: str) -> KernelVariant:
+    """The merge kernel of a call whose partial outputs have ``num_splits`` splits."""
+    return KernelVariant(MergeConfig(has_sink=has_sink, split_batch=merge_batch_for(num_splits)), arch)
 
 
 _MODES = ((False, False), (True, False), (True, True))  # (final_output, has_sink)

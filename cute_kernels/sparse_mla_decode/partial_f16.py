@@ -403,7 +403,7 @@ class PartialF16Kernel(PartialKernel):
                 pfac = []
                 for h in cutlass.range_constexpr(nr):
                     r_bits = (127 - r_new[h]) << 23
-                    pfac.append([pack_f16x2(*[pow2_f32_bits(self._scale_bits(sbytes, 2 * nt + i, h) + r_bits)
+                    pfac.append([pack_f16x2(*[pow2_f32_bits(self._scale_byte(sbytes, 2 * nt + i, h) * (1 << 23) + r_bits)
                                               for i in range(2)]) for nt in range(4)])
                 if const_expr(nr == 1):  # P' before the rescale (two groups: after it, ``_nope_pv``)
                     pa = [self._scaled_p(bases.p16, pfac[0], lane)]
@@ -453,11 +453,11 @@ class PartialF16Kernel(PartialKernel):
         k % 2): 2**(b - 127) as ``ue8m0_scale`` (byte 0: 2**-127), or the FP32 value."""
         if const_expr(self.fp32_scales):
             return sf[k]
-        return f32_from_bits(cutlass.max(self._scale_bits(sbytes, k, h), Int32(1 << 22)))
+        return ue8m0_scale(self._scale_byte(sbytes, k, h))
 
-    def _scale_bits(self, sbytes, k: int, h: int):
-        """b << 23 (2**(b - 127) as f32 bits) for entry k's UE8M0 byte b of scale group h."""
-        return sbytes[k * self.tile_r + h] << 23
+    def _scale_byte(self, sbytes, k: int, h: int):
+        """This thread's entry k's UE8M0 byte of the tile's scale group h (``sbytes``' order)."""
+        return sbytes[k * self.tile_r + h]
 
     @cute.jit
     def _e2m1_qk_fragments(self, k_addr, scale_base, nb: int, w, lane) -> dict:
