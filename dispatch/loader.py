@@ -85,19 +85,12 @@ def _report_once(message: str) -> None:
 
 
 # ---------------------------------------------------------------------- compile and export
-# The kernel class of each compute path ("module:class" under cute_kernels.sparse_mla_decode)
-PARTIAL_KERNELS = {"f16": "partial_f16:PartialF16Kernel", "bf16": "partial_bf16:PartialBf16Kernel",
-                   "fp8": "partial_fp8:PartialFp8Kernel", "mxf8": "partial_fp8:PartialFp8Kernel"}
-MERGE_KERNEL = "merge:MergeKernel"
-
-
 def build_kernel(variant: KernelVariant):
-    """The kernel object (a ``cute.jit`` callable) of a variant."""
-    import importlib
+    """The kernel object (a ``cute.jit`` callable) of a variant: the class that generates its
+    configuration says so itself (``cute_kernels.sparse_mla_decode.kernels``)."""
+    from cute_kernels.sparse_mla_decode.kernels import kernel_for
 
-    where = PARTIAL_KERNELS[variant.config.precision] if variant.kind == "partial" else MERGE_KERNEL
-    module, cls = where.split(":")
-    return getattr(importlib.import_module(f"cute_kernels.sparse_mla_decode.{module}"), cls)(variant.config)
+    return kernel_for(variant.config)
 
 
 def compile_variant(variant: KernelVariant, keep_cubin: bool = False):

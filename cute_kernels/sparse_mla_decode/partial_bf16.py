@@ -49,6 +49,8 @@ from .warp_ops import ue8m0_scale
 class PartialBf16Kernel(PartialKernel):
     """The "bf16"-path partial kernel for one ``PartialConfig``."""
 
+    PATHS = ("bf16",)  # the compute paths (``PartialConfig.precision``) this class generates
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.wpg = cfg.warps_per_group

@@ -1,88 +1,28 @@
 """Split-K partial kernel, "f16" path (``PartialConfig.precision == "f16"``, the default):
-column-sliced warps, e4m3 -> f16 in registers, the scales on S and P, the softmax spread
-over the CTA.
+column-sliced warps, e4m3 (or e2m1) converted to f16 in registers, the scales on S and P, the
+softmax spread over the CTA.
 
-Work split, gather (``gather.py``) and outputs (``epilogue.py``) as every partial kernel. The
-CTA covers 16 or 32 heads (``head_groups`` m16 tiles) with a warp per 64-dim nope tile of
-the format (``kv_format.KvFormat.nope_tiles``: 7 for MODEL1, 8 for the 512-dim formats) and
-one more, the "rope warp"; warp w owns 64 columns of the QK width and of the output FOR EVERY
-HEAD of the CTA: nope tile w, or the 64 rope dims (where the format has them). So each
-gathered byte becomes an MMA operand in exactly one warp, once for QK and once for PV, and a
-32-head CTA multiplies each operand register into two m16 tiles. Nothing is dequantized into
-shared memory. The rope warp also issues the main loop's gather; it computes the rope dims'
-QK where the format has rope dims, and their PV where V holds them (MODEL1).
+Work split, gather (``gather.py``) and outputs (``epilogue.py``) as every partial kernel. A CTA
+covers 16 or 32 heads (``head_groups`` m16 tiles) with a warp per 64-dim nope tile of the
+format (``KvFormat.nope_tiles``) and one more, the "rope warp". Warp w owns 64 columns of the
+QK width and of the output for every head of the CTA: each gathered byte becomes an MMA
+operand in exactly one warp, once for QK and once for PV, and a 32-head CTA multiplies each
+operand register into both m16 tiles. Nothing is dequantized into shared memory. The rope
+warp also issues the main loop's gather.
 
-Per CTA (once): Q's nope dims of head h are scaled by 2**(14 - E_h), E_h the exponent of the
-head's largest |q| (so |q| < 2**15 fits f16 exactly: f16 has more mantissa than bf16) and
-held in registers as f16 A fragments; the rope warp keeps Q's rope dims as bf16.
+Per chunk of 32 entries: QK in each warp (``ldmatrix`` of the raw rows, ``cvt`` to f16, f16
+MMAs, each entry's scale applied in f32); the partial S of every warp to shared memory; the
+softmax over the first 256 threads (``softmax.SpreadSoftmax``); PV with P' = P s / R_w in f16
+(R_w the running maximum of the tile's scale) times the value fragments (``ldmatrix.trans``,
+a byte permute, ``cvt``). Three CTA barriers per chunk (four when a head's max moved). The
+formats' variants (UE8M0 per 32 dims: two scale groups per tile; FP32 scales: folded into P
+per scale group; e2m1: the scales in the value operands) are this class's branches on
+compile-time format facts.
 
-Per chunk of 32 entries:
-1. QK, nope warp w: per 8-entry n tile one ``ldmatrix.x4`` of the raw rows (lane 8i + r: row
-   r, bytes 16i..16i+15 of the tile) gives each thread bytes 4q..4q+3 of each 16-column
-   group; ``cvt.rn.f16x2.e4m3x2`` turns them into the f16 B fragment of k order {2q, 2q+1,
-   8+2q, 9+2q} (Q's A fragments are loaded in the same column order), 4 f16 MMAs per m16
-   tile, then times the entry's scale (2**(b - 127), or the FP32 value). The rope warp: bf16
-   MMAs on the raw bf16 rope bytes.
-   The n tiles go two or four at a time (``tuning.F16_QK_TILES_AT_ONCE``,
-   ``F16_ROPE_QK_TILES_AT_ONCE``) so that chains of dependent MMAs interleave. Each warp
-   writes its partial S [heads, 32] (f32) to shared memory.
-2. Softmax, the first 256 threads (``softmax.SpreadSoftmax``: MODEL1's 7 nope warps and the
-   rope warp, or the 8 nope warps, the rope warp keeping only its barriers): the partials
-   summed (nope sum times 2**(E_h - 14), plus rope, times sm_scale log2(e)); P written in
-   f16 and bf16 (UE8M0), or per scale group g in f16 as P s_g / R_g (FP32 scales: the scale
-   applied in f32, P rounded once).
-3. PV, nope warp w: P' = P * s / R_w <= 1 in f16, R_w the running maximum of tile w's scale
-   over the split's valid entries so far: UE8M0, P times 2**(b - R_w) (``mul.rn.f16x2`` on
-   the ``ldmatrix``-loaded P fragments: exact); FP32, the group's P row as the softmax
-   folded it. The value fragments are the raw rows by ``ldmatrix.x4.trans`` (rows 2q, 2q+1
-   of each 8-entry group, two adjacent columns) with one byte permute into (row 2q, row
-   2q+1) pairs per column: even and odd columns of each 16-column group are two MMAs. The
-   accumulator is in units of R_w's scale. The accumulators are rescaled (a loop of 0 or 1
-   pass) only when a head's max or R_w moved. The rope warp (MODEL1): P in bf16 times the
-   rope rows.
-UE8M0 per 32 dims (DeepSeek-V4.1's FP8 records, ``KvFormat.tile_scales`` 2): each half of a
-tile is a scale group of its own: QK chains k16 steps 0-1 and 2-3 into two accumulators, each
-times its entry's scale; PV keeps an R and a P' per half (value columns 0-31 and 32-63), the
-accumulators of a half in units of its R.
-NVFP4 (e2m1 values, ``KvFormat.e2m1``): a tile is 32 bytes of a row and its 4 E4M3 scales
-are in the scale record (footer, or inline in the row: ``ChunkGather.scale_start``). Each
-value operand is e2m1 x 2**-6, as e4m3 by shifts and masks (``warp_ops.e2m1x8_to_e4m3x8``)
-then f16 by ``cvt.rn.f16x2.e4m3x2``, times its entry's scale in f16 (one ``mul.rn.f16x2``:
-exact, ``_e2m1_qk_fragments``, ``_e2m1_pv``); P needs no scale and no running maximum; the
-nope partials and the output carry the 2**6.
-Gather: the first two chunks' rows, on every call's critical path, are copied by all the
-threads; in the main loop the rope warp alone issues the next chunks' indices, masks, rows
-and scales (``ChunkGather.locate_rows`` / ``copy_rows``): ``tuning.EARLY_ROW_GROUPS`` of its
-4 groups of 8 rows right after the chunk-head barrier, the rest after the softmax, and a
-later chunk's indices after that barrier or (``tuning.f16_late_indices``) with the late rows,
-one chunk further ahead. Three CTA barriers per chunk (four when a max moved): the stage
-landed (and the previous PV is done), the partial S written, P written.
-
-Precision: K, V and the scales are exact (every e4m3 value is an f16 value; the scales are
-applied in f32 to S, and to P as powers of two (UE8M0) or in f32 before P's one rounding
-(FP32); e2m1 x E4M3 products are f16 values); Q is exact unless a component is below 2**-24 of its head's largest (f16
-subnormal); P is rounded to f16 (11 bits). Limit: an entry whose scale in a tile is more
-than 2**24 below the largest of that tile among the split's valid entries has P' below f16's
-smallest subnormal and counts as 0 in that tile's output columns (per-token scales of
-normalized latents span a few binades). FP32 scales below 2**-126 (latents below about
-2**-117) count as 2**-126 in R.
-
-The two roles run in two separate code paths (one branch on the warp index, around the whole
-loop): a per-chunk branch would have ptxas predicate both sides into every warp's stream.
-
-Measured (H200 and sm_120a SASS; ``docs/tuning.md`` has each decision's numbers):
-- Main loop per chunk and thread, MODEL1, sm_120a, 16 heads, a chunk without the rescale pass:
-  held to 128 registers, nope warps 319 instructions, rope warp 367; without the bound (136
-  registers, sm_120's kernel): 320 and 340; 32 heads: 459 and 460. The nope warps' 32 HMMA
-  are 10% of their instructions: the loop is latency-bound (ncu at 64 x 128 x 1024: issue
-  slots 45% busy; a warp waits ~1.9 cycles per issue on fixed latencies, 1.6 at barriers,
-  1.4 on shared memory and shuffles).
-- A single CTA alone on an SM takes about 1.4 us per chunk: the floor of the small calls,
-  with the two kernel launches (a CUDA graph of one trivial kernel takes 4.6 us by the bench's
-  method).
-- Measured and not kept (``docs/tuning.md``): ``movmatrix`` value fragments, a software-
-  pipelined loop, a 9th gather warp, 16-warp "entry halves", a dequantized f16 tile for 32
-  heads, the rope dims' QK on the nope warps, the merge fused into a cluster.
+``docs/design.md`` ("Compute path "f16"") has the fragment layouts, the precision argument
+and the shared-memory map; ``docs/tuning.md`` every measured choice (tiles at once, stages,
+late indices, what was tried and not kept); ``docs/performance.md`` ("Where the time goes")
+what bounds the many-head calls.
 """
 
 from __future__ import annotations
@@ -116,6 +56,8 @@ PAIR_COLUMNS = 0x3120
 
 class PartialF16Kernel(PartialKernel):
     """The "f16"-path partial kernel for one ``PartialConfig``."""
+
+    PATHS = ("f16",)  # the compute paths (``PartialConfig.precision``) this class generates
 
     def __init__(self, cfg):
         fmt = cfg.fmt

@@ -97,6 +97,8 @@ def _scale_exponent(amax: Float32) -> Int32:
 class PartialFp8Kernel(PartialKernel):
     """The FP8-path partial kernel for one ``PartialConfig`` (precision "fp8" or "mxf8")."""
 
+    PATHS = ("fp8", "mxf8")  # the compute paths (``PartialConfig.precision``) this class generates
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.wpg = cfg.warps_per_group
