@@ -22,7 +22,7 @@ from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 
 from .lse import LSE_CONVENTIONS, check_convention, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
-from .plan import RUN_TENSORS
+from .plan import _LSE, _OUT, RUN_TENSORS, byte_span, overlapping_output, scale_log2
 from .plan_cache import CachedPlan, PlanCache, layout_key
 from .variants import PRECISIONS, check_format_precision, resolve_precision
 
@@ -323,9 +323,9 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     # scalars and outputs
     if sm_scale is None:
         sm_scale = fmt.default_sm_scale
-    if isinstance(sm_scale, (torch.Tensor, bool)) or not isinstance(sm_scale, (int, float)) or \
-            not math.isfinite(sm_scale):
-        check.fail(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+    if scale_log2(sm_scale, fmt.default_sm_scale) is None:
+        check.fail(f"sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32 "
+                   f"(the kernels' argument: finite, at least 1.2e-38 in magnitude), got {sm_scale!r}")
     if attn_sink is not None:
         check.tensor(attn_sink, "attn_sink", torch.float32, device)
         check.shape(attn_sink, "attn_sink", (num_heads,))
@@ -342,6 +342,18 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     check.tensor(lse, "lse", torch.float32, device)
     check.shape(lse, "lse", (*lead, num_heads))
     lse2 = _flatten_tokens(lse, 1, "lse", check)
+    for name, flat in (("out", out3), ("lse", lse2)):
+        if any(n > 1 and st == 0 for n, st in zip(flat.shape, flat.stride())):
+            check.fail(f"{name} has a stride of 0 (strides {list(flat.stride())} over its tokens and heads): many "
+                       f"rows would be written to one address; give every row memory of its own")
+    tensors = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
+               extra_topk_length)  # run()'s tensor order
+    spans = tuple(0 if t is None else byte_span(t) for t in tensors)
+    overlap = overlapping_output(tuple(0 if t is None else t.data_ptr() for t in tensors), spans,
+                                 tuple(i for i, n in enumerate(spans) if n))
+    if overlap is not None:
+        check.fail(f"{overlap[0]} overlaps {overlap[1]} in memory; the kernels write {overlap[0]} while they read "
+                   f"the inputs: give it memory of its own")
 
     if precision is not None and precision not in PRECISIONS:
         check.fail(f"precision must be one of {PRECISIONS} or None (the default), got {precision!r}")
@@ -390,9 +402,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
 
 # ---------------------------------------------------------------------- public API
-# where out and lse sit in run()'s tensor order (one_shot_decode writes that order out)
-_OUT, _LSE = (next(i for i, (name, _) in enumerate(RUN_TENSORS) if name == n) for n in ("out", "lse"))
-assert _LSE == _OUT + 1
+assert _LSE == _OUT + 1  # one_shot_decode replaces the two as one slice of run()'s tensor order
 # the one-shot call's validated plans, by layout key (``plan_cache``)
 ONE_SHOT_PLANS = PlanCache()
 
@@ -418,7 +428,21 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
     plan needs at least one token).
     """
     from .plan import DecodePlan
+    from .selection import PlanOverrides
 
+    if overrides is not None:  # the overrides' own errors before any input's or the device's
+        problem = None
+        if not isinstance(overrides, PlanOverrides):
+            problem = (f"overrides must be a dispatch.PlanOverrides (e.g. PlanOverrides(num_splits=2)) or None, "
+                       f"got {type(overrides).__name__}")
+        else:
+            try:
+                overrides.check()
+            except ValueError as err:
+                problem = str(err)
+        if problem is not None:
+            raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
+                                                    extra_topk_length, attn_sink, kv_format, extra_kv_format), problem)
     call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                          extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,

@@ -15,7 +15,8 @@ tokens) against the float64 reference, with the bound the tests use (``dispatch.
 per token, the relative L2 error of out at most twice the rounding floor of the case). Prints
 one JSON line: calls, compiles, variants loaded, the time of the first call, the spot checks
 and the worst error / bound among them. Exits 1 when anything was compiled or a spot check
-exceeds its bound (naming it), 2 on a GPU it does not serve. ``--disk-cache`` instead checks
+exceeds its bound (naming it), 2 on a GPU it does not serve or with no CUDA GPU at all (one
+line says which). ``--disk-cache`` instead checks
 that a variant JIT-compiled by one process is loaded from the disk cache by the next.
 """
 
@@ -155,6 +156,9 @@ print(json.dumps(loader.stats))
 """
 
 
+NO_GPU = 2  # the exit status without a CUDA GPU (1: a check failed)
+
+
 def disk_cache() -> int:
     cache_dir, empty = tempfile.mkdtemp(), tempfile.mkdtemp()
     env = {**os.environ, "DSV4_MLA_CACHE_DIR": cache_dir}
@@ -176,6 +180,12 @@ def main(argv=None) -> int:
                                       "(default: $DSV4_MLA_AOT_DIR, then the installed package's)")
     ap.add_argument("--disk-cache", action="store_true", help="check the JIT disk cache across two processes")
     args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():  # both checks launch kernels
+        print("dsv4-mla-check-aot: no CUDA GPU is visible (torch.cuda.is_available() is False): it serves the "
+              "registry's kernels on a GPU; run it on the server", file=sys.stderr)
+        return NO_GPU
     if args.disk_cache:
         return disk_cache()
     return serve_registry(args.aot_dir)

@@ -45,16 +45,33 @@ def layout_signature(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+FLT_MAX = 3.4028234663852886e38  # the largest finite float32
+FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
+
+
 def scale_log2(sm_scale, default: float) -> float | None:
-    """``sm_scale`` (None: ``default``) times log2(e), the kernels' argument; None unless it is
-    a finite real Python number (not a bool), what ``validate_call`` accepts."""
+    """``sm_scale`` (None: ``default``) times log2(e), the kernels' float32 argument; None
+    unless it is a real Python number (not a bool) whose product is 0 or a normal float32
+    (an ``sm_scale`` finite as a Python float can still become inf, 0 or a subnormal as the
+    kernels' float32: 1e300, 1e-50), what ``validate_call`` accepts."""
     if sm_scale is None:
         sm_scale = default
     elif type(sm_scale) is not float:
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
             return None
         sm_scale = float(sm_scale)
-    return sm_scale * LOG2_E if math.isfinite(sm_scale) else None
+    value = sm_scale * LOG2_E
+    if value != 0.0 and not FLT_MIN <= abs(value) <= FLT_MAX:  # NaN fails both comparisons
+        return None
+    return value
+
+
+def byte_span(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to one past its last (0 for an empty tensor):
+    what two tensors must not share for one to be written while the other is read."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _aligned(address: int) -> int:
@@ -76,6 +93,24 @@ class Bind:
 RUN_TENSORS = (("q", "q"), ("kv_cache", "main"), ("indices", "indices"), ("topk_length", "topk_length"),
                 ("attn_sink", "attn_sink"), ("out", "out"), ("lse", "lse"), ("extra_kv_cache", "extra"),
                 ("extra_indices", "extra_indices"), ("extra_topk_length", "extra_topk_length"))
+# where the outputs sit in that order
+_OUT, _LSE = (next(i for i, (name, _) in enumerate(RUN_TENSORS) if name == n) for n in ("out", "lse"))
+
+
+def overlapping_output(addresses, spans, present) -> tuple[str, str] | None:
+    """(output, other) names of the first output (out, lse) whose bytes overlap another
+    tensor's (any input, or the other output), None when none does: the kernels write the
+    outputs while they read the inputs. ``addresses`` / ``spans``: per ``RUN_TENSORS`` entry
+    (``byte_span``); ``present``: the indices of the tensors given."""
+    for o in (_OUT, _LSE):
+        low = addresses[o]
+        high = low + spans[o]
+        for i in present:
+            if i != o and addresses[i] < high and low < addresses[i] + spans[i]:
+                return RUN_TENSORS[o][0], RUN_TENSORS[i][0]
+    return None
+
+
 # those arguments' values, in that order, from the locals of run() / bind()
 _given = operator.itemgetter(*(name for name, _ in RUN_TENSORS))
 # every per-call value a Bind can name, by its position in the list run() fills
@@ -145,6 +180,10 @@ class DecodePlan:
                 if isinstance(v, Bind) and a.kind == "ptr":
                     align[v.key] = max(align.get(v.key, 1), a.align)
         self._aligns = tuple(align.get(key, 1) for _, key in RUN_TENSORS)
+        # the planned layout's byte spans (``overlapping_output``: checked on every launch)
+        self._spans = tuple(0 if getattr(call, name) is None else byte_span(getattr(call, name))
+                            for name, _ in RUN_TENSORS)
+        self._present = tuple(i for i, span in enumerate(self._spans) if span)
         self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
         example = ([0 if getattr(call, name) is None else getattr(call, name).data_ptr() for name, _ in RUN_TENSORS]
                    + [call.sm_scale * LOG2_E, 0, 0])
@@ -264,9 +303,14 @@ class DecodePlan:
                 raise ValueError(f"DecodePlan.{caller}: {name} starts at address {address:#x}, not {align}-byte "
                                  f"aligned as the kernels assume (the planned tensor was)")
             values.append(address)
+        overlap = overlapping_output(values, self._spans, self._present)
+        if overlap is not None:
+            raise ValueError(f"DecodePlan.{caller}: {overlap[0]} overlaps {overlap[1]} in memory; the kernels write "
+                             f"{overlap[0]} while they read the inputs: give it memory of its own")
         scale = scale_log2(sm_scale, self.default_sm_scale)
         if scale is None:
-            raise ValueError(f"DecodePlan.{caller}: sm_scale must be a finite Python float, got {sm_scale!r}")
+            raise ValueError(f"DecodePlan.{caller}: sm_scale must be a real Python number whose product with "
+                             f"log2(e) is 0 or a normal float32 (the kernels' argument), got {sm_scale!r}")
         values.append(scale)
         scratch_ptr = 0
         if self.scratch_bytes:
@@ -310,7 +354,7 @@ class DecodePlan:
         compared it (``plan_cache``). Checks only what the layout does not fix, each address's
         alignment and the scale (a finite float or None), and returns False without
         launching where one fails (the caller then validates the call in full, which says
-        why)."""
+        why); so does an output that overlaps another tensor (``overlapping_output``)."""
         values = []
         for t, align in zip(given, self._aligns):
             if t is None:
@@ -320,6 +364,8 @@ class DecodePlan:
             if address % align:
                 return False
             values.append(address)
+        if overlapping_output(values, self._spans, self._present) is not None:
+            return False
         scale = scale_log2(sm_scale, self.default_sm_scale)
         if scale is None:
             return False

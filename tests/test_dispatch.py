@@ -229,9 +229,17 @@ def _inputs(T=2, H=16, topk=128, device="cpu"):
 
 
 def _call(overrides, **kwargs):
+    """The call of ``_inputs`` with ``overrides``, and ``kwargs``; a callable keyword value is
+    called with the inputs (an output made of an input's memory)."""
     base = _inputs()
     base.update(overrides)
+    kwargs = {k: v(base) if callable(v) else v for k, v in kwargs.items()}
     return sparse_mla_decode(base.pop("q"), base.pop("kv_cache"), base.pop("indices"), **base, **kwargs)
+
+
+# memory two arguments share: attn_sink and lse, out and lse
+_SINK_LSE = torch.zeros(32)
+_OUT_LSE = torch.zeros(2, 16, 512, dtype=torch.bfloat16)
 
 
 _GEN = torch.Generator().manual_seed(0)
@@ -362,9 +370,24 @@ BAD = [
      "extra_topk_length must be contiguous"),
     ("sink shape", {}, dict(attn_sink=torch.zeros(8)), "attn_sink has shape [8], expected [16]"),
     ("sink dtype", {}, dict(attn_sink=torch.zeros(16, dtype=torch.bfloat16)), "attn_sink must be float32"),
-    ("sm_scale nan", {}, dict(sm_scale=math.nan), "sm_scale must be a finite"),
-    ("sm_scale inf", {}, dict(sm_scale=math.inf), "sm_scale must be a finite"),
-    ("sm_scale tensor", {}, dict(sm_scale=torch.tensor(0.1)), "sm_scale must be a finite"),
+    ("sm_scale nan", {}, dict(sm_scale=math.nan), "sm_scale must be a real Python number"),
+    ("sm_scale inf", {}, dict(sm_scale=math.inf), "sm_scale must be a real Python number"),
+    ("sm_scale tensor", {}, dict(sm_scale=torch.tensor(0.1)), "sm_scale must be a real Python number"),
+    ("sm_scale inf as float32", {}, dict(sm_scale=1e300),
+     "sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32"),
+    ("sm_scale subnormal as float32", {}, dict(sm_scale=1e-50),
+     "sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32"),
+    ("out is q", {}, dict(out=lambda b: b["q"]), "out overlaps q in memory"),
+    ("out over the cache bytes", {},
+     dict(out=lambda b: b["kv_cache"][0].view(-1)[:2 * 16 * 512 * 2].view(torch.bfloat16).view(2, 16, 512)),
+     "out overlaps kv_cache in memory"),
+    ("lse over attn_sink", {}, dict(attn_sink=_SINK_LSE[:16], lse=_SINK_LSE.view(2, 16)),
+     "lse overlaps attn_sink in memory"),
+    ("out and lse overlap", {}, dict(out=_OUT_LSE, lse=_OUT_LSE.view(-1).view(torch.float32)[:32].view(2, 16)),
+     "out overlaps lse in memory"),
+    ("out stride 0", {}, dict(out=torch.empty(1, 16, 512, dtype=torch.bfloat16).expand(2, 16, 512)),
+     "out has a stride of 0"),
+    ("lse stride 0", {}, dict(lse=torch.empty(2, 1).expand(2, 16)), "lse has a stride of 0"),
     ("out dtype", {}, dict(out=torch.empty(2, 16, 512)), "out must be bfloat16"),
     ("out shape", {}, dict(out=torch.empty(2, 16, 448, dtype=torch.bfloat16)), "out has shape [2, 16, 448]"),
     ("out width on V3.2", V32, dict(out=torch.empty(2, 16, 576, dtype=torch.bfloat16)),
@@ -497,6 +520,24 @@ def test_plan_overrides_refuse_what_no_kernel_has(overrides, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         PlanOverrides(**overrides).check()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_splits": 2}, "overrides must be a dispatch.PlanOverrides (e.g. PlanOverrides(num_splits=2)) or None, "
+                        "got dict"),
+    ("num_splits=2", "overrides must be a dispatch.PlanOverrides"),
+    (PlanOverrides(num_splits=2.0), "overrides.num_splits must be an int or None, got 2.0 (float)"),
+    (PlanOverrides(head_groups=True), "overrides.head_groups must be an int or None, got True (bool)"),
+])
+def test_plan_overrides_errors_come_before_the_device_check(overrides, message):
+    """A wrong ``overrides`` is refused as an ``InvalidDecodeInput`` naming the call, before the
+    inputs' device is looked at (these are CPU tensors, which the device check refuses)."""
+    from dispatch import plan_sparse_mla_decode
+
+    base = _inputs()
+    with pytest.raises(InvalidDecodeInput, match=re.escape(message)) as info:
+        plan_sparse_mla_decode(base["q"], base["kv_cache"], base["indices"], overrides=overrides)
+    assert str(info.value).startswith(MODEL1_FP8.model_type + ": num_tokens=2, num_heads=16")
 
 
 
@@ -761,10 +802,43 @@ def test_pack_pitch_and_unpack_by_width():
     ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(writer="flashmla"),
      f"writer must be one of {kv_formats.writers('glm_nope_fp8')} for glm_nope_fp8, got 'flashmla'"),
     ((torch.randn(10, 512), "glm_nope_fp8", 16), dict(row_stride=600), "row_stride 600 must be a multiple of 16"),
+    ((torch.randn(10, 512), "model1_fp8", 16), dict(fill=300),
+     "fill must be an int in [0, 255] (the byte written where no data is), got 300"),
+    ((torch.randn(10, 512), "model1_fp8", 16), dict(fill=-1), "fill must be an int in [0, 255]"),
+    ((torch.randn(10, 512), "model1_fp8", 16), dict(fill=1.0), "fill must be an int in [0, 255]"),
+    ((torch.randn(10, 512), "model1_fp8", 16), dict(row_stride=592),
+     "row_stride applies to the formats with scales inline in the row"),
+    ((torch.randn(10, 512), "v41_fp8", 16), dict(row_stride=528),
+     "row_stride applies to the formats with scales inline in the row"),
+    ((torch.randn(10, 512).index_put((torch.tensor([3]), torch.tensor([70])), torch.tensor(math.inf)), "model1_fp8",
+      16), {}, "latent[3, 70] is inf: model1_fp8's 'vllm' writer has no encoding of NaN or Inf in the nope dims"),
+    ((torch.randn(10, 512).index_put((torch.tensor([9]), torch.tensor([1])), torch.tensor(math.nan)), "model1_nvfp4",
+      16), {}, "latent[9, 1] is nan: model1_nvfp4's 'flashinfer' writer has no encoding"),
+    ((torch.randn(10, 512).index_put((torch.tensor([0]), torch.tensor([5])), torch.tensor(-math.inf)), "v41_fp8",
+      16), dict(writer="b12x"), "latent[0, 5] is -inf: v41_fp8's 'b12x' writer has no encoding"),
 ])
 def test_pack_refuses_with_the_reason(args, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         kv_formats.pack(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kv_format", ["v41_fp8", "v41_fp8_inline", "v41_nvfp4", "v41_nvfp4_inline"])
+def test_pack_encodes_inf_as_flashinfers_v41_writers_do(kv_format):
+    """FlashInfer's V4.1 writers define a group holding Inf (FP8: scale byte 0xFF, the Inf
+    elements' codes 0x7F; FP4: scale 0x7F, zero codes): ``pack`` writes those bytes, so the
+    group reads back NaN throughout, as FlashInfer's cache holds it; the other groups are
+    untouched."""
+    fmt = FORMATS[kv_format]
+    latent = torch.randn(16, fmt.d_qk)
+    latent[2, 40] = math.inf
+    back = kv_formats.unpack(kv_formats.pack(latent, kv_format, 16), kv_format).reshape(-1, fmt.d_qk)
+    group = slice(40 // fmt.scale_group * fmt.scale_group, (40 // fmt.scale_group + 1) * fmt.scale_group)
+    assert torch.isnan(back[2, group]).all()
+    rest = torch.ones(16, fmt.d_qk, dtype=torch.bool)
+    rest[2, group] = False
+    assert torch.isfinite(back[rest]).all()
+    assert torch.equal(back[rest], kv_formats.unpack(kv_formats.pack(latent.nan_to_num(posinf=0.0), kv_format, 16),
+                                                     kv_format).reshape(-1, fmt.d_qk)[rest])
 
 
 # ---------------------------------------------------------------------- adapters (CPU: up to the device check)
@@ -951,6 +1025,24 @@ def test_plan_overrides_refuse_the_wrong_types(overrides, message):
         PlanOverrides(**overrides).check()
 
 
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_splits": 2}, "overrides must be a dispatch.PlanOverrides (e.g. PlanOverrides(num_splits=2)) or None, "
+                        "got dict"),
+    ("num_splits=2", "overrides must be a dispatch.PlanOverrides"),
+    (PlanOverrides(num_splits=2.0), "overrides.num_splits must be an int or None, got 2.0 (float)"),
+    (PlanOverrides(head_groups=True), "overrides.head_groups must be an int or None, got True (bool)"),
+])
+def test_plan_overrides_errors_come_before_the_device_check(overrides, message):
+    """A wrong ``overrides`` is refused as an ``InvalidDecodeInput`` naming the call, before the
+    inputs' device is looked at (these are CPU tensors, which the device check refuses)."""
+    from dispatch import plan_sparse_mla_decode
+
+    base = _inputs()
+    with pytest.raises(InvalidDecodeInput, match=re.escape(message)) as info:
+        plan_sparse_mla_decode(base["q"], base["kv_cache"], base["indices"], overrides=overrides)
+    assert str(info.value).startswith(MODEL1_FP8.model_type + ": num_tokens=2, num_heads=16")
+
+
 def test_plan_overrides_name_the_precision_a_register_bound_does_not_fit():
     from dispatch import PlanOverrides
 
@@ -1015,9 +1107,10 @@ def _cpu_plan(monkeypatch, precision="f16", **kwargs):
 
 
 def _deployment_call_inputs(md: DecodeMetadata, caches: dict) -> dict:
-    """CPU inputs of the call ``md`` describes, as ``validate_call`` takes them. q, out, lse and
-    the index lists are broadcast views of one row (the layout checks pass them; a plan never
-    reads them), so that a 4096-token call costs no memory; ``caches``: by (format, page). An
+    """CPU inputs of the call ``md`` describes, as ``validate_call`` takes them. q and the index
+    lists are broadcast views of one row (the layout checks pass them; a plan never reads
+    them), out and lse uninitialized (pages never touched), so that a 4096-token call costs
+    almost no memory; ``caches``: by (format, page). An
     extra cache of another format is named (``extra_kv_format``), as its width may not say it."""
     fmt = FORMATS[md.kv_format]
     T, H = md.num_tokens, md.num_heads
@@ -1032,8 +1125,8 @@ def _deployment_call_inputs(md: DecodeMetadata, caches: dict) -> dict:
         return torch.zeros(shape[-1], dtype=dtype).expand(*shape)
 
     kw = dict(q=rows(T, H, md.d_qk, dtype=torch.bfloat16), kv_cache=cache(md.page_block_size),
-              indices=rows(T, md.topk, dtype=torch.int32), out=rows(T, H, fmt.d_v, dtype=torch.bfloat16),
-              lse=rows(T, H, dtype=torch.float32), kv_format=md.kv_format)
+              indices=rows(T, md.topk, dtype=torch.int32), out=torch.empty(T, H, fmt.d_v, dtype=torch.bfloat16),
+              lse=torch.empty(T, H, dtype=torch.float32), kv_format=md.kv_format)
     if md.has_topk_length:
         kw["topk_length"] = torch.zeros(T, dtype=torch.int32)
     if md.has_sink:

@@ -431,3 +431,31 @@ def test_one_shot_plan_cache_never_mixes_layouts():
     stream.synchronize()
     assert torch.equal(out4, out) and torch.equal(lse4, lse)
     assert len(ONE_SHOT_PLANS._scratch) == 2  # one scratch buffer per stream
+
+
+def test_outputs_overlapping_an_input_are_refused_on_every_path():
+    """An ``out`` (or ``lse``) whose memory overlaps an input is refused before any launch by
+    ``plan.run`` and ``bind`` (the addresses are new on every call) and by a repeated one-shot
+    call whose layout is cached (its plan declines, the full validation refuses), and the
+    tensors are left as they were."""
+    from dispatch import InvalidDecodeInput
+
+    gen, _ = _gen("overlapping outputs")
+    q, cache, idx, kw = _inputs(T=4, H=16, gen=gen)
+    out = torch.empty(4, 16, 512, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(4, 16, dtype=torch.float32, device=DEV)
+    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+    scratch = plan.new_scratch()
+    q_before = q.clone()
+    for fn in (plan.run, plan.bind):
+        with pytest.raises(ValueError, match="out overlaps q in memory"):
+            fn(q, cache, idx, out=q, lse=lse, scratch=scratch, **kw)
+    sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)  # the layout, validated and cached
+    with pytest.raises(InvalidDecodeInput, match="out overlaps q in memory"):
+        sparse_mla_decode(q, cache, idx, out=q, lse=lse, **kw)
+    wide = torch.empty(4 * 16 * 512 * 2 // 4 + 64, dtype=torch.float32, device=DEV)  # lse inside out's bytes
+    with pytest.raises(InvalidDecodeInput, match="out overlaps lse in memory"):
+        sparse_mla_decode(q, cache, idx, out=wide[:4 * 16 * 256].view(torch.bfloat16).view(4, 16, 512),
+                          lse=wide[64:128].view(4, 16), **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(q, q_before), "a refused call wrote into q"

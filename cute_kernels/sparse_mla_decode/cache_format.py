@@ -450,6 +450,18 @@ WRITERS = {
 }
 
 
+# the recipes that encode a group holding NaN or Inf as their writer does (FlashInfer's V4.1
+# writers define it); the others' arithmetic on such a group is not a writer's behaviour
+NON_FINITE_RECIPES = frozenset({_flashinfer_v41_fp8, _flashinfer_v41_nvfp4})
+
+
+def writer_encodes_non_finite(kv_format: str, writer: str | None = None) -> bool:
+    """Whether ``writer`` (default: the format's first) of ``kv_format`` encodes NaN / Inf in
+    the nope dims as the real writer does (``NON_FINITE_RECIPES``)."""
+    recipes = WRITERS[get_format(kv_format).name]
+    return recipes.get(writer or next(iter(recipes))) in NON_FINITE_RECIPES
+
+
 def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer: str | None = None):
     """Quantize ``[..., d_qk]`` latent rows as ``writer`` (``WRITERS``) writes ``kv_format``.
 
