@@ -29,6 +29,10 @@ from .api import one_shot_decode, sparse_mla_decode
 from .lse import LSE_CONVENTIONS, check_convention, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
 
+# the engine releases whose keywords the adapters take
+FLASHINFER_CHECKED = "flashinfer-python 0.7.4"
+SGLANG_CHECKED = "SGLang 0.5.23"
+
 
 def _refuse(problem: str, q, kv_format: str | None = None) -> None:
     """Raise ``InvalidDecodeInput`` for ``problem``, naming what can be read of the call."""
@@ -123,6 +127,7 @@ def flash_mla_with_kvcache_sm120(
     lse_convention: str = "natural",
     kv_format: str | None = None,
     extra_kv_format: str | None = None,
+    **unknown,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang's ``flash_mla_with_kvcache_sm120`` (``sglang.kernels.ops.attention.flash_mla_sm120``,
     read in SGLang 0.5.23's released wheel): keyword arguments only, FlashMLA's
@@ -138,7 +143,12 @@ def flash_mla_with_kvcache_sm120(
     ``d_qk ** -0.5``, as SGLang's function defaults it. Returns ``(out [T, 1, H, 512] bf16,
     lse [T, H, 1] float32)`` (FlashMLA's layouts; SGLang's FlashInfer path returns no lse),
     the lse in ``lse_convention``. ``flash_mla_with_kvcache`` with these keyword names.
+    SGLang's own function takes ``**kwargs``: a keyword it may pass after 0.5.23 is refused
+    naming it (an ``InvalidDecodeInput``), not Python's TypeError at the first decode.
     """
+    if unknown:
+        _refuse(f"{', '.join(sorted(unknown))}: not a keyword of SGLang's flash_mla_with_kvcache_sm120 this "
+                f"adapter serves (checked against {SGLANG_CHECKED})", q, kv_format)
     return flash_mla_with_kvcache(q, k_cache, None, None, head_dim_v, softmax_scale=softmax_scale,
                                   is_fp8_kvcache=True, indices=indices, attn_sink=attn_sink,
                                   extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
@@ -147,10 +157,20 @@ def flash_mla_with_kvcache_sm120(
                                   extra_kv_format=extra_kv_format)
 
 
-# the format FlashInfer's DeepSeek-V4 call reads on SM120 (its default "fp8" kv_cache_format;
-# DeepSeek-V4.1's model code keeps this record on SM120 too)
-_DSV4_FORMAT = MODEL1_FP8.name
-_DSV4_BACKENDS = ("auto", "sparse")
+# FlashInfer's kv_cache_format values (flashinfer-python 0.7.4's trtllm_batch_decode_sparse_mla_dsv4)
+# as (main cache format, compressed cache format); "fp8" is its default, the record vLLM's
+# DeepSeek-V4 and V4.1 attention keeps on SM120
+DSV4_KV_CACHE_FORMATS = {
+    "fp8": ("model1_fp8", "model1_fp8"),
+    "nvfp4": ("model1_nvfp4", "model1_nvfp4"),
+    "fp8_dsv41": ("v41_fp8", "v41_fp8"),
+    "fp8_dsv41_inline": ("v41_fp8_inline", "v41_fp8_inline"),
+    "fp8_dsv41_fp4_ca": ("v41_fp8", "v41_nvfp4"),
+    "fp8_dsv41_inline_fp4_ca": ("v41_fp8_inline", "v41_nvfp4_inline"),
+}
+_DSV4_FORMAT = MODEL1_FP8.name  # what a refusal names before kv_cache_format is read
+# FlashInfer's kernel families on SM120: this library's kernels serve each ("trtllm-gen" is SM100's)
+_DSV4_BACKENDS = ("auto", "sparse", "cake")
 
 
 def trtllm_batch_decode_sparse_mla_dsv4(
@@ -180,14 +200,19 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     hca_use_persistent: bool = False,
     hca_sparse_indices_format: str | None = None,
     sparse_indices_are_storage_offsets: bool = False,
+    sparse_topk_lens_offset: int = 0,
     *,
+    kv_cache_format: str = "fp8",
+    dsv4_output_scale: torch.Tensor | None = None,
+    dsv4_inv_rope_cos_sin_cache: torch.Tensor | None = None,
     num_valid_heads: int | None = None,
     return_lse: bool = False,
     lse_convention: str = "log2_with_sink",
+    **unknown,
 ):
-    """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (``flashinfer.decode``; the signature
-    of flashinfer-ai/flashinfer fb28d724, ``flashinfer/mla/_core.py``) in its SM120 form: the
-    function vLLM's DeepSeek-V4 and V4.1 attention calls on SM12x
+    """FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (``flashinfer.decode``; the keywords of
+    flashinfer-python 0.7.4, ``flashinfer/mla/_core.py``) in its SM120 form: the function
+    vLLM's DeepSeek-V4 and V4.1 attention calls on SM12x
     (``DeepseekV4FlashInferSM120Attention._forward_decode`` / ``_forward_prefill`` in
     ``vllm/models/deepseek_v4/nvidia/flashinfer_sparse.py`` and ``deepseek_v41/nvidia/``,
     read in vLLM 0.34.0's released wheel; ``dispatch.engine_plugins`` switches vLLM to
@@ -199,14 +224,29 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     ``compressed_kv_cache [num_blocks, 64 or 2, 1, 584]`` with ``extra_sparse_indices
     [T, 1, K]`` global slots (the ratio-128 layers at the full buffer width, e.g. 8192, the
     real count in ``extra_sparse_topk_lens [T]``), ``out [T, H, 512]``, ``bmm1_scale`` the
-    softmax scale, ``sinks [H]`` float32, ``kv_layout="NHD"``. Both caches are MODEL1 caches
-    (``[num_blocks, P, 1, 584]`` for "NHD", ``[num_blocks, 1, P, 584]`` for "HND"); a
-    ``[B, S, H, 512]`` query takes ``[B, S, topk]`` lists. ``sparse_topk_lens`` is accepted as
-    the main list's lengths (not with ``swa_topk_lens``); ``bmm2_scale`` must be 1 (the cache
-    carries its own scales); ``seq_lens``, ``max_q_len``, ``enable_pdl`` and
-    ``workspace_buffer`` are accepted and not needed; ``backend`` must be "auto" or "sparse";
-    ragged queries (``cum_seq_lens_q``), the ``hca_*`` inputs and storage-offset indices
-    (``sparse_indices_are_storage_offsets=True``, vLLM's SM100 call) are refused.
+    softmax scale, ``sinks [H]`` float32, ``kv_layout="NHD"``. The caches are read in the
+    format ``kv_cache_format`` names (``DSV4_KV_CACHE_FORMATS``: "fp8", the default, both
+    MODEL1 FP8; "nvfp4" both MODEL1 NVFP4; "fp8_dsv41" / "fp8_dsv41_inline" V4.1's FP8
+    record, footer or inline scales; "fp8_dsv41_fp4_ca" / "fp8_dsv41_inline_fp4_ca" that
+    record with V4.1's NVFP4 compressed record); ``[num_blocks, P, 1, W]`` for "NHD",
+    ``[num_blocks, 1, P, W]`` for "HND"; a ``[B, S, H, 512]`` query takes ``[B, S, topk]``
+    lists.
+
+    Lengths follow FlashInfer's SM120 meaning: ``swa_topk_lens`` is the main (SWA) list's,
+    ``extra_sparse_topk_lens`` the compressed list's. ``sparse_topk_lens`` (with
+    ``sparse_topk_lens_offset``) is FlashInfer's SM100 length of one combined table, its 128
+    SWA entries included, which its SM120 path does not read: refused, as anything but an
+    offset of 0. ``bmm1_scale`` must be a Python number (a tensor would be read back to the
+    host, a synchronization that is wrong under CUDA-graph capture; FlashInfer's SM120 path
+    refuses it too); ``bmm2_scale`` must be 1 (the cache carries its own scales).
+    ``seq_lens``, ``max_q_len``, ``enable_pdl``, ``hca_is_causal`` and ``workspace_buffer``
+    are accepted and not needed (this library plans its own split and scratch); ``backend``
+    must be "auto", "sparse" or "cake" (FlashInfer's SM120 kernel families: these kernels
+    serve every one). Refused by name: ragged queries (``cum_seq_lens_q``), the ``hca_*``
+    inputs, storage-offset indices (``sparse_indices_are_storage_offsets=True``), the FP8
+    output of vLLM's SM100 path (``dsv4_output_scale``, ``dsv4_inv_rope_cos_sin_cache``) and
+    any keyword FlashInfer may add after 0.7.4 (``**unknown``: a named refusal instead of
+    Python's TypeError).
 
     ``num_valid_heads`` (not FlashInfer's): the caller says that only the first
     ``num_valid_heads`` query heads are real and the rest padding; those are neither read
@@ -215,33 +255,39 @@ def trtllm_batch_decode_sparse_mla_dsv4(
 
     Returns ``out`` (and, with ``return_lse``, the lse in ``lse_convention``, by default
     FlashInfer's log2 with the sink folded in, shaped like ``out`` without its last dim, and
-    ``num_valid_heads`` wide when that is given). ``bmm1_scale`` may be a one-element tensor,
-    read to the host (a synchronization) as a number.
+    ``num_valid_heads`` wide when that is given).
     """
     if lse_convention not in LSE_CONVENTIONS:
         _check_convention(lse_convention, query)
     problem = _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
                             compressed_kv_cache, extra_sparse_indices, backend, hca_swa_indices,
                             hca_compressed_block_tables, hca_seq_lens, hca_use_persistent, hca_sparse_indices_format,
-                            sparse_indices_are_storage_offsets)
+                            sparse_indices_are_storage_offsets, dsv4_output_scale, dsv4_inv_rope_cos_sin_cache)
+    formats = DSV4_KV_CACHE_FORMATS.get(kv_cache_format) if isinstance(kv_cache_format, str) else None
+    if problem is None and unknown:
+        problem = (f"{', '.join(sorted(unknown))}: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 "
+                   f"this adapter serves (checked against {FLASHINFER_CHECKED})")
+    if problem is None and sparse_topk_lens_offset != 0:
+        problem = (f"sparse_topk_lens_offset must be 0 (it offsets sparse_topk_lens, FlashInfer's SM100 length), "
+                   f"got {sparse_topk_lens_offset!r}")
+    if problem is None and formats is None:
+        problem = f"kv_cache_format must be one of {sorted(DSV4_KV_CACHE_FORMATS)}, got {kv_cache_format!r}"
+    if problem is None and (isinstance(bmm1_scale, (bool, torch.Tensor)) or not isinstance(bmm1_scale, (int, float))):
+        problem = (f"bmm1_scale must be a Python number: a tensor would be read back to the host (a synchronization, "
+                   f"wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too), got "
+                   f"{type(bmm1_scale).__name__}")
     if problem is not None:
-        _refuse(problem, query, _DSV4_FORMAT)
-    if type(bmm1_scale) is not float and isinstance(bmm1_scale, (int, float, torch.Tensor)) \
-            and not isinstance(bmm1_scale, bool):
-        if isinstance(bmm1_scale, torch.Tensor) and bmm1_scale.numel() != 1:
-            _refuse(f"bmm1_scale must be a number or a one-element tensor, got shape {list(bmm1_scale.shape)}",
-                    query, _DSV4_FORMAT)
-        bmm1_scale = float(bmm1_scale)  # FlashInfer takes a number or a one-element tensor (read to the host)
+        _refuse(problem, query, _DSV4_FORMAT if formats is None else formats[0])
+    main_format, extra_format = formats
     q, o, sink = query, out, sinks
     if num_valid_heads is not None:
-        q, o, sink = _valid_heads(query, out, sinks, num_valid_heads)
-    result, lse = one_shot_decode(q, swa_kv_cache, sparse_indices, bmm1_scale,
-                                  sparse_topk_lens if swa_topk_lens is None else swa_topk_lens, sink,
+        q, o, sink = _valid_heads(query, out, sinks, num_valid_heads, main_format)
+    result, lse = one_shot_decode(q, swa_kv_cache, sparse_indices, bmm1_scale, swa_topk_lens, sink,
                                   compressed_kv_cache, extra_sparse_indices, extra_sparse_topk_lens, o, None,
-                                  "natural", None, _DSV4_FORMAT, keep_lse=return_lse, caller_tag=kv_layout,
-                                  # FlashInfer's "fp8" call: the compressed cache is FP8 too
-                                  extra_kv_format=None if compressed_kv_cache is None else _DSV4_FORMAT,
-                                  caller_check=lambda: _check_kv_layout(query, kv_layout, swa_kv_cache=swa_kv_cache,
+                                  "natural", None, main_format, keep_lse=return_lse, caller_tag=kv_layout,
+                                  extra_kv_format=None if compressed_kv_cache is None else extra_format,
+                                  caller_check=lambda: _check_kv_layout(query, kv_layout, main_format,
+                                                                        swa_kv_cache=swa_kv_cache,
                                                                         compressed_kv_cache=compressed_kv_cache))
     if o is not out:
         result = out
@@ -250,34 +296,36 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     return result, convert_lse(lse, sink, lse_convention)
 
 
-def _check_kv_layout(query, kv_layout, **caches) -> None:
+def _check_kv_layout(query, kv_layout, kv_format, **caches) -> None:
     """Refuse a 4-D cache not laid out as ``kv_layout`` says (checked with the call's layout:
     the plan cache's key holds ``kv_layout`` and the caches' shapes)."""
     head_axis = 2 if kv_layout == "NHD" else 1  # [nb, P, 1, W] or [nb, 1, P, W]
     for name, cache in caches.items():
         if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.shape[head_axis] != 1:
             _refuse(f"{name} of shape {list(cache.shape)} is not laid out as kv_layout={kv_layout!r} "
-                    f"({'[num_blocks, P, 1, 584]' if kv_layout == 'NHD' else '[num_blocks, 1, P, 584]'})", query,
-                    _DSV4_FORMAT)
+                    f"({'[num_blocks, P, 1, W]' if kv_layout == 'NHD' else '[num_blocks, 1, P, W]'})", query,
+                    kv_format)
 
 
-def _valid_heads(query, out, sinks, num_valid_heads):
+def _valid_heads(query, out, sinks, num_valid_heads, kv_format=_DSV4_FORMAT):
     """The first ``num_valid_heads`` heads of ``query``, ``out`` and ``sinks`` (views; ``out``
     is required)."""
     if isinstance(num_valid_heads, bool) or not isinstance(num_valid_heads, int) or not (
             isinstance(query, torch.Tensor) and query.dim() >= 3 and 1 <= num_valid_heads <= query.shape[-2]):
-        _refuse(f"num_valid_heads must be an int in [1, num_heads], got {num_valid_heads!r}", query, _DSV4_FORMAT)
+        _refuse(f"num_valid_heads must be an int in [1, num_heads], got {num_valid_heads!r}", query, kv_format)
     if not isinstance(out, torch.Tensor) or out.dim() != query.dim():
-        _refuse("num_valid_heads needs out (the padded heads' rows are left as they are)", query, _DSV4_FORMAT)
+        _refuse("num_valid_heads needs out (the padded heads' rows are left as they are)", query, kv_format)
     if isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.shape[0] == query.shape[-2]:
         sinks = sinks[:num_valid_heads]
     return query[..., :num_valid_heads, :], out[..., :num_valid_heads, :], sinks
 
 
-# hca_swa_indices ... hca_sparse_indices_format, sparse_indices_are_storage_offsets
-_UNSERVED_DEFAULTS = (None, None, None, False, None, False)
+# hca_swa_indices ... hca_sparse_indices_format, sparse_indices_are_storage_offsets, dsv4_output_scale,
+# dsv4_inv_rope_cos_sin_cache
+_UNSERVED_DEFAULTS = (None, None, None, False, None, False, None, None)
 _UNSERVED_NAMES = ("hca_swa_indices", "hca_compressed_block_tables", "hca_seq_lens", "hca_use_persistent",
-                   "hca_sparse_indices_format", "sparse_indices_are_storage_offsets")
+                   "hca_sparse_indices_format", "sparse_indices_are_storage_offsets", "dsv4_output_scale",
+                   "dsv4_inv_rope_cos_sin_cache")
 
 
 def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
@@ -292,8 +340,10 @@ def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_t
         return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}"
     if kv_layout != "NHD" and kv_layout != "HND":
         return f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}"
-    if sparse_topk_lens is not None and swa_topk_lens is not None:
-        return "pass the main list's lengths once: sparse_topk_lens or swa_topk_lens, not both"
+    if sparse_topk_lens is not None:
+        return ("sparse_topk_lens is FlashInfer's SM100 length of one combined table (its 128 SWA entries "
+                "included), which its SM120 path does not read: pass the main list's lengths as swa_topk_lens and "
+                "the compressed list's as extra_sparse_topk_lens")
     if sparse_indices is None:
         return "sparse_indices is required (the main cache's slots per token)"
     if (compressed_kv_cache is None) != (extra_sparse_indices is None):
@@ -303,8 +353,8 @@ def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_t
     if unserved != _UNSERVED_DEFAULTS:
         given = [name for name, value, default in zip(_UNSERVED_NAMES, unserved, _UNSERVED_DEFAULTS)
                  if value is not default]
-        return (f"{', '.join(given)}: not served (FlashInfer's HCA inputs; storage-offset indices, which vLLM "
-                f"passes only on SM100)")
+        return (f"{', '.join(given)}: not served (FlashInfer's HCA inputs; storage-offset indices and the FP8 "
+                f"output with a fused inverse RoPE, which vLLM passes only on SM100)")
     return None
 
 

@@ -22,7 +22,7 @@ from cute_kernels.sparse_mla_decode.kv_format import (
 )
 from dispatch import InvalidDecodeInput, kv_formats, sparse_mla_decode
 from dispatch.adapters import (
-    flash_mla_with_kvcache, flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4,
+    DSV4_KV_CACHE_FORMATS, flash_mla_with_kvcache, flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4,
     trtllm_batch_decode_with_kv_cache_mla,
 )
 from dispatch.api import ValidatedCall
@@ -949,16 +949,37 @@ def _vllm_dsv4_call(**overrides):
     ({}, "the kernels run on CUDA devices only"),
     (dict(num_valid_heads=5), "the kernels run on CUDA devices only"),
     (dict(kv_layout="HND"), "swa_kv_cache of shape [4, 64, 1, 584] is not laid out as kv_layout='HND'"),
-    (dict(bmm1_scale=torch.tensor(0.05)), "the kernels run on CUDA devices only"),
-    (dict(bmm1_scale=torch.ones(2)), "bmm1_scale must be a number or a one-element tensor, got shape [2]"),
+    (dict(bmm1_scale=torch.tensor(0.05)), "bmm1_scale must be a Python number: a tensor would be read back to the "
+                                          "host"),
+    (dict(bmm1_scale=1), "the kernels run on CUDA devices only"),
     (dict(swa_topk_lens=torch.full((3, 1), 7, dtype=torch.int32)), "the kernels run on CUDA devices only"),
     (dict(kv_layout="NDH"), "kv_layout must be 'HND' or 'NHD'"),
-    (dict(backend="trtllm-gen"), "backend must be one of ('auto', 'sparse')"),
+    (dict(backend="trtllm-gen"), "backend must be one of ('auto', 'sparse', 'cake')"),
+    (dict(backend="cake"), "the kernels run on CUDA devices only"),
+    # flashinfer-python 0.7.4's keywords: the cache formats mapped, the rest honoured or refused by name
+    (dict(kv_cache_format="fp8"), "the kernels run on CUDA devices only"),
+    (dict(kv_cache_format="fp4"), "kv_cache_format must be one of ['fp8', 'fp8_dsv41', 'fp8_dsv41_fp4_ca', "
+                                  "'fp8_dsv41_inline', 'fp8_dsv41_inline_fp4_ca', 'nvfp4'], got 'fp4'"),
+    (dict(kv_cache_format="nvfp4"), "expected [num_blocks, P, 1, 384]"),  # FP8 caches named NVFP4
+    (dict(kv_cache_format="nvfp4", swa_kv_cache=NVFP4_CACHE, compressed_kv_cache=NVFP4_CACHE),
+     "the kernels run on CUDA devices only"),
+    (dict(kv_cache_format="fp8_dsv41_fp4_ca", swa_kv_cache=V41_CACHE, compressed_kv_cache=V41_NVFP4_CACHE),
+     "the kernels run on CUDA devices only"),
+    (dict(kv_cache_format="fp8_dsv41", swa_kv_cache=V41_CACHE, compressed_kv_cache=V41_NVFP4_CACHE),
+     "[2, 64, 1, 288]: expected [num_blocks, P, 1, 528]"),  # the compressed cache named FP8
+    (dict(sparse_topk_lens_offset=2), "sparse_topk_lens_offset must be 0"),
+    (dict(dsv4_output_scale=torch.ones(1)), "dsv4_output_scale: not served"),
+    (dict(lse_scale=1.0, split_scratch=torch.empty(4)),
+     "lse_scale, split_scratch: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 this adapter serves "
+     "(checked against flashinfer-python 0.7.4)"),
     (dict(hca_seq_lens=torch.zeros(3, dtype=torch.int32)), "hca_seq_lens: not served (FlashInfer's HCA inputs"),
     (dict(sparse_indices_are_storage_offsets=True), "sparse_indices_are_storage_offsets: not served"),
     (dict(cum_seq_lens_q=torch.zeros(4, dtype=torch.int32)), "cum_seq_lens_q (ragged query lengths) is not served"),
     (dict(sparse_indices=None), "sparse_indices is required"),
-    (dict(sparse_topk_lens=torch.zeros(3, dtype=torch.int32)), "sparse_topk_lens or swa_topk_lens, not both"),
+    (dict(sparse_topk_lens=torch.zeros(3, dtype=torch.int32)),
+     "sparse_topk_lens is FlashInfer's SM100 length of one combined table"),
+    (dict(sparse_topk_lens=torch.zeros(3, dtype=torch.int32), swa_topk_lens=None),
+     "pass the main list's lengths as swa_topk_lens"),
     (dict(compressed_kv_cache=None), "compressed_kv_cache and extra_sparse_indices go together"),
     (dict(compressed_kv_cache=None, extra_sparse_indices=None, extra_sparse_topk_lens=None),
      "the kernels run on CUDA devices only"),  # no compressed cache
@@ -971,7 +992,8 @@ def _vllm_dsv4_call(**overrides):
 ])
 def test_dsv4_adapter_serves_vllms_call_and_refuses_the_rest(overrides, message):
     text = _refused(trtllm_batch_decode_sparse_mla_dsv4, **_vllm_dsv4_call(**overrides))
-    assert text.startswith(MODEL1_FP8.model_type) and message in text
+    main = DSV4_KV_CACHE_FORMATS.get(overrides.get("kv_cache_format", "fp8"), ("model1_fp8",))[0]
+    assert text.startswith(FORMATS[main].model_type) and message in text
 
 
 def test_sglang_adapter_takes_sglangs_keywords():
@@ -988,6 +1010,11 @@ def test_sglang_adapter_takes_sglangs_keywords():
         flash_mla_with_kvcache_sm120(q, cache, idx, 512)
     assert "head_dim_v must be 512" in _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, indices=idx,
                                                  head_dim_v=576)
+    # SGLang's function takes **kwargs: a keyword a later SGLang passes is refused by name
+    text = _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, head_dim_v=512, indices=idx, causal=False,
+                    is_fp8_kvcache=True)
+    assert text.endswith("causal, is_fp8_kvcache: not a keyword of SGLang's flash_mla_with_kvcache_sm120 this "
+                         "adapter serves (checked against SGLang 0.5.23)")
 
 
 def test_natural_with_sink_is_the_log2_convention_in_natural_units():

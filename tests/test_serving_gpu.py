@@ -219,7 +219,7 @@ def test_flashinfer_adapter_conventions():
     idx[0] = -1
     kw["extra_indices"][0] = -1  # token 0 selects nothing
     out, lse = trtllm_batch_decode_sparse_mla_dsv4(
-        q, cache, None, idx, compressed_kv_cache=kw["extra_kv_cache"], sparse_topk_lens=kw["topk_length"],
+        q, cache, None, idx, compressed_kv_cache=kw["extra_kv_cache"], swa_topk_lens=kw["topk_length"],
         bmm1_scale=0.05, sinks=kw["attn_sink"], kv_layout="NHD", extra_sparse_indices=kw["extra_indices"],
         extra_sparse_topk_lens=kw["extra_topk_length"], return_lse=True)
     ref_kw = dict(kw, sm_scale=0.05)
@@ -230,7 +230,7 @@ def test_flashinfer_adapter_conventions():
     assert torch.allclose(lse[0].double(), kw["attn_sink"].double() * math.log2(math.e), rtol=LSE_TOL)
     # the same call with the lse in this library's convention: out and lse against the reference
     out_nat, lse_nat = trtllm_batch_decode_sparse_mla_dsv4(
-        q, cache, None, idx, compressed_kv_cache=kw["extra_kv_cache"], sparse_topk_lens=kw["topk_length"],
+        q, cache, None, idx, compressed_kv_cache=kw["extra_kv_cache"], swa_topk_lens=kw["topk_length"],
         bmm1_scale=0.05, sinks=kw["attn_sink"], kv_layout="NHD", extra_sparse_indices=kw["extra_indices"],
         extra_sparse_topk_lens=kw["extra_topk_length"], return_lse=True, lse_convention="natural")
     assert torch.equal(out_nat, out)
