@@ -6,14 +6,15 @@
 - ``plan_sparse_mla_decode``: validate once, then ``plan.run`` / ``plan.bind(...).run()`` on
   every step (allocation-free, CUDA-graph safe);
 - ``InvalidDecodeInput``: every refusal, before any GPU work;
+- ``plan_cache_info`` / ``clear_plan_cache``: what the one-shot call's plan cache holds, and dropping it;
 - ``dispatch.adapters``: FlashMLA's and FlashInfer's call shapes; ``dispatch.lse``: the lse
   conventions; ``dispatch.loader``: AOT manifests, the JIT disk cache, no-JIT mode.
 """
 
-from .api import plan_sparse_mla_decode, sparse_mla_decode, validate_call
+from .api import clear_plan_cache, plan_cache_info, plan_sparse_mla_decode, sparse_mla_decode, validate_call
 from .metadata import DecodeMetadata, InvalidDecodeInput
 from .selection import PlanOverrides
 from . import torch_ops  # noqa: F401  (registers torch.ops.dsv4_mla.sparse_mla_decode)
 
 __all__ = ["sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata", "InvalidDecodeInput",
-           "PlanOverrides"]
+           "PlanOverrides", "plan_cache_info", "clear_plan_cache"]

@@ -408,9 +408,16 @@ ONE_SHOT_PLANS = PlanCache()
 
 
 def clear_plan_cache() -> None:
-    """Drop the one-shot call's cached plans and scratch buffers (``dispatch.plan_cache``);
+    """Drop the one-shot call's cached plans and the buffers it keeps (``dispatch.plan_cache``);
     the next call of each layout validates and plans again."""
     ONE_SHOT_PLANS.clear()
+
+
+def plan_cache_info() -> dict:
+    """What the one-shot call's plan cache holds (``dispatch.plan_cache``): ``entries`` (layouts)
+    and ``capacity``; ``buffer_bytes`` (device memory kept: ``scratch_bytes`` + ``lse_bytes``),
+    ``byte_cap`` and ``buffers``."""
+    return ONE_SHOT_PLANS.info()
 
 
 def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
@@ -556,7 +563,7 @@ def one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extr
         new_out, new_lse = out, lse
         if out is None or lse is None:
             new_out = entry.new_out() if out is None else out
-            new_lse = lse if lse is not None else entry.new_lse() if keep_lse else entry.discarded_lse()
+            new_lse = lse if lse is not None else entry.new_lse() if keep_lse else ONE_SHOT_PLANS.discarded_lse(entry)
             given = given[:_OUT] + (new_out, new_lse) + given[_LSE + 1:]
         plan = entry.plan
         if plan.launch_laid_out(given, sm_scale, ONE_SHOT_PLANS.scratch(plan) if plan.scratch_bytes else None):

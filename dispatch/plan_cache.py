@@ -10,27 +10,54 @@ addresses: a repeated call pays the key, one dictionary lookup and the launches.
 compared exactly (tuples of ints and dtypes), so a plan is never used for another layout.
 
 The cache is bounded (the oldest layout out first) and thread-safe; ``clear()`` drops
-every plan and the scratch buffers.
+every plan and every buffer it keeps.
 
 Split plans need scratch for the partial results, and a call that returns no lse (an adapter
 without ``return_lse``) still has the kernels write one. Outside a CUDA graph capture the
-one-shot path keeps both per stream: the scratch in one buffer per (device, stream), grown to
-the largest plan seen, the lse in a buffer per (plan, stream). Work on one stream runs in
-order, so consecutive calls can share them, and a buffer freed (grown, dropped with its plan,
-or by ``clear()``) is freed on the only stream that used it, so the caching allocator orders
-its reuse. During a capture each call allocates its own (from the graph's pool), so that
-graphs never share them.
+one-shot path keeps one buffer of each kind per (device, stream), grown to the largest need
+seen: the scratch, and the lse of the calls that want none (a view of it per call, whatever
+the layout). Work on one stream runs in order, so consecutive calls can share them, and a
+buffer freed (grown, or by ``clear()``) is freed on the only stream that used it, so the
+caching allocator orders its reuse. The buffers kept never exceed a byte cap together: a
+call that would need more is served by buffers of its own, freed after its launch (in
+stream order), and the cache keeps what it had. During a capture each call allocates its
+own (from the graph's pool), so that graphs never share them.
+
+The caps: ``DSV4_MLA_PLAN_CACHE_ENTRIES`` layouts (default ``DEFAULT_ENTRIES``) and
+``DSV4_MLA_PLAN_CACHE_BYTES`` bytes of buffers (default ``DEFAULT_BYTES``), read when the
+one-shot cache is created (at ``import dispatch``). ``plan_cache_info()`` (``dispatch``) says
+what the cache holds.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 
 import torch
 
 from .plan import DecodePlan, _raw_stream
 
-CAPACITY = 256  # layouts kept; an engine's steady state uses a few dozen
+DEFAULT_ENTRIES = 256  # layouts kept; an engine's steady state uses a few dozen
+# buffer bytes kept: the scratch of a decode step's split plan (T x splits x H x 2 KB: 33 MB
+# at 8 tokens x 16 splits x 128 heads) and a discarded lse; larger needs are per call
+DEFAULT_BYTES = 128 << 20
+ENTRIES_ENV, BYTES_ENV = "DSV4_MLA_PLAN_CACHE_ENTRIES", "DSV4_MLA_PLAN_CACHE_BYTES"
+
+
+def _env_cap(name: str, default: int, least: int) -> int:
+    """A cap from the environment variable ``name`` (an int, at least ``least``), else ``default``."""
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise ValueError(f"{name}={text!r}: expected an int of at least {least}")
+    return value
 
 
 def layout_key(tensors: tuple, *names) -> tuple:
@@ -48,15 +75,14 @@ _capturing = torch._C._cuda_isCurrentStreamCapturing
 
 class CachedPlan:
     """A plan with what the one-shot call needs beyond it: how to allocate the outputs that
-    were not given (their planned shapes, on the planned device), and per stream the buffer
-    the kernels write an unwanted lse into (``discarded_lse``)."""
+    were not given (their planned shapes, on the planned device)."""
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "_lse_sinks")
+    __slots__ = ("plan", "out_shape", "lse_shape", "lse_numel")
 
     def __init__(self, plan: DecodePlan, out: torch.Tensor, lse: torch.Tensor):
         self.plan = plan
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
-        self._lse_sinks: dict = {}  # raw stream -> lse tensor written (and freed) only on that stream
+        self.lse_numel = math.prod(self.lse_shape)
 
     def new_out(self) -> torch.Tensor:
         return torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.plan.device)
@@ -64,29 +90,18 @@ class CachedPlan:
     def new_lse(self) -> torch.Tensor:
         return torch.empty(self.lse_shape, dtype=torch.float32, device=self.plan.device)
 
-    def discarded_lse(self) -> torch.Tensor:
-        """Where the kernels write the lse of a call that returns none (an adapter without
-        ``return_lse``): a buffer of the current stream's, not a new tensor per call. It is
-        used only on that stream, so it is freed (with the plan) in that stream's order;
-        during a capture the graph gets its own."""
-        if _capturing():
-            return self.new_lse()
-        stream = _raw_stream(self.plan.device_index)
-        sink = self._lse_sinks.get(stream)
-        if sink is None:
-            sink = self._lse_sinks.setdefault(stream, self.new_lse())
-        return sink
-
 
 class PlanCache:
     """Bounded, thread-safe map from layout keys to ``CachedPlan``s (the oldest out first when
-    full), and the scratch buffers. A lookup is one dictionary read (atomic in CPython, free-
-    threaded builds included); inserting and evicting hold a lock."""
+    full), and the buffers the one-shot call shares (the module doc). A lookup is one
+    dictionary read (atomic in CPython, free-threaded builds included); inserting, evicting
+    and growing a buffer hold a lock."""
 
-    def __init__(self, capacity: int = CAPACITY):
-        self.capacity = capacity
+    def __init__(self, capacity: int | None = None, byte_cap: int | None = None):
+        self.capacity = _env_cap(ENTRIES_ENV, DEFAULT_ENTRIES, 1) if capacity is None else capacity
+        self.byte_cap = _env_cap(BYTES_ENV, DEFAULT_BYTES, 0) if byte_cap is None else byte_cap
         self._plans: dict = {}  # insertion ordered: the first key is the oldest
-        self._scratch: dict = {}  # (device index, raw stream) -> uint8 tensor
+        self._buffers: dict = {}  # (kind, device index, raw stream) -> tensor
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -106,21 +121,48 @@ class PlanCache:
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
-            self._scratch.clear()
+            self._buffers.clear()
+
+    def info(self) -> dict:
+        """What the cache holds: its layouts and their cap, and its buffers' bytes by kind
+        (``scratch``, ``lse``) and in all, against the byte cap."""
+        with self._lock:
+            buffers = [(kind, t.numel() * t.element_size()) for (kind, _, _), t in self._buffers.items()]
+            return {"entries": len(self._plans), "capacity": self.capacity,
+                    "buffer_bytes": sum(n for _, n in buffers), "byte_cap": self.byte_cap,
+                    "scratch_bytes": sum(n for kind, n in buffers if kind == "scratch"),
+                    "lse_bytes": sum(n for kind, n in buffers if kind == "lse"), "buffers": len(buffers)}
+
+    def _buffer(self, kind: str, device_index: int, nbytes: int, allocate):
+        """The (device, stream)'s buffer of ``kind`` with at least ``nbytes`` (``allocate()``
+        makes one): the kept one, grown where the byte cap allows, else one of the call's own."""
+        if _capturing():
+            return allocate()
+        slot = (kind, device_index, _raw_stream(device_index))
+        buffer = self._buffers.get(slot)
+        if buffer is not None and buffer.numel() * buffer.element_size() >= nbytes:
+            return buffer
+        with self._lock:
+            buffer = self._buffers.get(slot)
+            if buffer is not None and buffer.numel() * buffer.element_size() >= nbytes:
+                return buffer
+            others = sum(t.numel() * t.element_size() for s, t in self._buffers.items() if s != slot)
+            if others + nbytes > self.byte_cap:
+                return allocate()  # the call's own, freed after its launch; the cache keeps what it had
+            buffer = self._buffers[slot] = allocate()
+            return buffer
 
     def scratch(self, plan: DecodePlan) -> torch.Tensor | None:
         """Scratch for one launch of ``plan`` on the current stream (None when it needs none);
         see the module doc. Hold it until the launch is enqueued."""
-        need = plan.scratch_bytes
-        if not need:
+        if not plan.scratch_bytes:
             return None
-        if _capturing():
-            return plan.new_scratch()
-        slot = (plan.device_index, _raw_stream(plan.device_index))
-        buffer = self._scratch.get(slot)
-        if buffer is None or buffer.numel() < need:
-            with self._lock:
-                buffer = self._scratch.get(slot)
-                if buffer is None or buffer.numel() < need:
-                    buffer = self._scratch[slot] = plan.new_scratch()
-        return buffer
+        return self._buffer("scratch", plan.device_index, plan.scratch_bytes, plan.new_scratch)
+
+    def discarded_lse(self, entry: CachedPlan) -> torch.Tensor:
+        """Where the kernels write the lse of a call that returns none (an adapter without
+        ``return_lse``): a view of the current stream's lse buffer with the planned layout."""
+        plan = entry.plan
+        buffer = self._buffer("lse", plan.device_index, 4 * entry.lse_numel,
+                              lambda: torch.empty(entry.lse_numel, dtype=torch.float32, device=plan.device))
+        return buffer[:entry.lse_numel].view(entry.lse_shape)

@@ -654,6 +654,49 @@ def test_layout_keys_tell_every_layout_apart():
         key(q=[1.0])
 
 
+def test_plan_cache_caps_come_from_the_environment(monkeypatch):
+    from dispatch.plan_cache import BYTES_ENV, DEFAULT_BYTES, DEFAULT_ENTRIES, ENTRIES_ENV
+
+    monkeypatch.delenv(ENTRIES_ENV, raising=False)
+    monkeypatch.delenv(BYTES_ENV, raising=False)
+    assert (PlanCache().capacity, PlanCache().byte_cap) == (DEFAULT_ENTRIES, DEFAULT_BYTES)
+    monkeypatch.setenv(ENTRIES_ENV, "12")
+    monkeypatch.setenv(BYTES_ENV, "0")  # keep no buffer: every call gets its own
+    assert (PlanCache().capacity, PlanCache().byte_cap) == (12, 0)
+    info = PlanCache().info()
+    assert info == {"entries": 0, "capacity": 12, "buffer_bytes": 0, "byte_cap": 0, "scratch_bytes": 0,
+                    "lse_bytes": 0, "buffers": 0}
+    for value in ("0", "-1", "many"):
+        monkeypatch.setenv(ENTRIES_ENV, value)
+        with pytest.raises(ValueError, match=f"{ENTRIES_ENV}={value!r}: expected an int of at least 1"):
+            PlanCache()
+
+
+def test_plan_cache_keeps_buffers_within_its_byte_cap(monkeypatch):
+    """One buffer per kind and stream, grown to the largest need while the kept buffers fit the
+    byte cap; a need past it gets a buffer of its own that the cache does not keep."""
+    import dispatch.plan_cache as pc
+
+    monkeypatch.setattr(pc, "_capturing", lambda: False)
+    monkeypatch.setattr(pc, "_raw_stream", lambda index: 7)
+    cache = PlanCache(capacity=4, byte_cap=1000)
+
+    def alloc(n):
+        return lambda: torch.empty(n, dtype=torch.uint8)
+
+    first = cache._buffer("scratch", 0, 300, alloc(300))
+    assert cache._buffer("scratch", 0, 200, alloc(200)) is first  # big enough: reused
+    grown = cache._buffer("scratch", 0, 600, alloc(600))
+    assert grown is not first and cache.info()["scratch_bytes"] == 600
+    lse = cache._buffer("lse", 0, 400, alloc(400))
+    assert cache.info()["buffer_bytes"] == 1000 and cache.info()["lse_bytes"] == 400
+    own = cache._buffer("lse", 0, 500, alloc(500))  # 600 + 500 > 1000: the call's own
+    assert own is not lse and cache.info()["lse_bytes"] == 400 and cache._buffer("lse", 0, 100, alloc(100)) is lse
+    assert cache.info()["buffer_bytes"] <= cache.byte_cap
+    cache.clear()
+    assert cache.info()["buffers"] == 0
+
+
 def test_plan_cache_is_bounded_and_thread_safe():
     cache = PlanCache(capacity=3)
     for k in "abc":

@@ -19,7 +19,7 @@ from dispatch.adapters import (
 )
 from dispatch.lse import convert_lse
 from dispatch.testing import INT32_MAX, INT32_MIN, make_cache, make_indices
-from tests.tolerances import LSE_TOL, check_against_reference, rounding_floor, seed_for
+from tests.tolerances import LSE_TOL, check_against_reference, out_error_and_bound, rounding_floor, seed_for
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -459,3 +459,32 @@ def test_outputs_overlapping_an_input_are_refused_on_every_path():
                           lse=wide[64:128].view(4, 16), **kw)
     torch.cuda.synchronize()
     assert torch.equal(q, q_before), "a refused call wrote into q"
+
+
+def test_plan_cache_memory_stays_within_its_cap():
+    """vLLM's call (no lse wanted) over layouts of 745..1000 tokens at 128 heads, prefill
+    chunks' sizes: the cache keeps one lse buffer and one scratch buffer per stream, never more
+    bytes than its cap, and says so (``plan_cache_info``); the results stay right."""
+    from dispatch import clear_plan_cache, plan_cache_info
+
+    clear_plan_cache()
+    gen, seed = _gen("plan cache memory")
+    H, topk = 128, 128
+    cache = make_cache(64, 64, device=DEV, gen=gen)
+    for n, T in enumerate(range(745, 1001, 17)):
+        q = torch.randn(T, H, 512, generator=gen).bfloat16().to(DEV)
+        idx = make_indices(T, topk, 64 * 64, device=DEV, invalid_frac=0.1, gen=gen)
+        out = trtllm_batch_decode_sparse_mla_dsv4(q, cache, None, idx, bmm1_scale=0.05, kv_layout="NHD",
+                                                  out=torch.empty(T, H, 512, dtype=torch.bfloat16, device=DEV))
+        info = plan_cache_info()
+        assert info["buffer_bytes"] <= info["byte_cap"] and info["entries"] == n + 1, info
+        assert info["lse_bytes"] <= T * H * 4, info  # one lse buffer, the largest need so far
+        if n % 5 == 0:
+            sub = slice(0, T, max(1, T // 8))
+            ref_out, _ = reference_decode(q[sub], cache, idx[sub], sm_scale=0.05)
+            floor = rounding_floor("f16", q[sub], cache, idx[sub], dict(sm_scale=0.05), ref_out)
+            rel, bound = out_error_and_bound(out[sub].cpu(), ref_out.cpu(), floor.cpu())
+            assert (rel <= bound).all(), f"[seed {seed}] T={T}: out error {rel.max().item()} above its bound"
+    assert plan_cache_info()["buffers"] <= 2
+    clear_plan_cache()
+    assert plan_cache_info()["buffer_bytes"] == 0
