@@ -163,6 +163,20 @@ def _entry_key(variant: KernelVariant) -> str:
     return variant.name  # the name carries the arch and every code-generating field
 
 
+def _stale_reason(expected: dict, found: dict, bad: list[str]) -> str:
+    """Why an AOT entry's fingerprint does not match, in words (``bad``: ``mismatches``)."""
+    if found.get("dsl_libs") != expected["dsl_libs"]:
+        return (f"built with nvidia-cutlass-dsl-libs-{found.get('dsl_libs')}, this environment has "
+                f"nvidia-cutlass-dsl-libs-{expected['dsl_libs']}: build the wheel where the DSL's libs flavour is the "
+                f"server's")
+    if found.get("dsl_version") != expected["dsl_version"]:
+        return (f"built with nvidia-cutlass-dsl {found.get('dsl_version')}, this environment has "
+                f"{expected['dsl_version']}")
+    if found.get("source_hash") != expected["source_hash"] or found.get("project_version") != expected["project_version"]:
+        return "built from other kernel sources than this installation's"
+    return "; ".join(bad)
+
+
 def _load_aot(variant: KernelVariant, skipped: list[str]):
     """The first up-to-date AOT entry of ``variant`` in ``aot_dirs()`` order, loaded, or None;
     every stale or corrupt entry passed over is reported once and added to ``skipped``."""
@@ -177,10 +191,15 @@ def _load_aot(variant: KernelVariant, skipped: list[str]):
             _report_once(f"dsv4_mla: the AOT manifest in {directory} (archs: {', '.join(archs) or 'none'}) has no "
                          f"entry for {variant.name}")
             continue
-        bad = mismatches(expected, entry.get("fingerprint", {}))
+        found = entry.get("fingerprint", {})
+        bad = mismatches(expected, found)
         if bad:
             skipped.append(f"{directory}: stale")
-            _report_once(f"dsv4_mla: AOT entry {variant.name} in {directory} is stale ({'; '.join(bad)}); skipped")
+            # said once per directory and reason: the fields that differ are the environment's
+            # (the DSL's version and libs flavour, the sources), the same for every entry there
+            _report_once(f"dsv4_mla: the AOT kernels in {directory} do not match this environment "
+                         f"({_stale_reason(expected, found, bad)}): each kernel this process needs is compiled "
+                         f"instead, once, into {jit_cache_dir()} (set DSV4_MLA_REQUIRE_AOT=1 to make this an error)")
             continue
         obj = directory / entry.get("object", "")
         try:

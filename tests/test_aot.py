@@ -174,7 +174,30 @@ def test_mismatched_entry_is_never_loaded(built, tmp_path, caplog, field):
     with caplog.at_level(logging.WARNING, logger="dsv4_mla"):
         assert loader.get_compiled(v) is not None
     assert loader.stats["aot_loaded"] == 0 and loader.stats["compiled"] == 1
-    assert f"{field}: 'something else'" in caplog.text and "stale" in caplog.text
+    reason = {"dsl_libs": "built with nvidia-cutlass-dsl-libs-something else, this environment has",
+              "dsl_version": "built with nvidia-cutlass-dsl something else, this environment has",
+              "source_hash": "built from other kernel sources", "project_version": "built from other kernel sources"}
+    assert "do not match this environment" in caplog.text
+    assert reason.get(field, f"{field}: 'something else'") in caplog.text
+
+
+def test_a_wheel_of_another_dsl_flavour_says_once_why_it_compiles(built, tmp_path, caplog):
+    """Every entry built with the other libs flavour (a cu12 wheel in a cu13 engine): one line
+    for the directory, naming both flavours, however many kernels then compile."""
+    copy = tmp_path / "aot"
+    shutil.copytree(built, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for entry in manifest["entries"].values():
+        entry["fingerprint"]["dsl_libs"] = "cu11"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    loader.set_aot_dir(copy)
+    variants = [v for v in aot_build.planned_variants(["sm_120a"], SLICE)][:2]
+    assert len(variants) == 2
+    with caplog.at_level(logging.WARNING, logger="dsv4_mla"):
+        for v in variants:
+            assert loader.get_compiled(v) is not None
+    lines = [r.getMessage() for r in caplog.records if "nvidia-cutlass-dsl-libs-cu11" in r.getMessage()]
+    assert len(lines) == 1 and str(copy) in lines[0] and "DSV4_MLA_REQUIRE_AOT=1" in lines[0], lines
 
 
 def test_corrupt_object_is_never_loaded(built, tmp_path, caplog):
