@@ -63,15 +63,59 @@ def spot_check(precision: str, q, cache, idx, kw, out) -> tuple[float, list[int]
     return ratio.max().item(), rows[rel > bound].tolist()
 
 
+def extra_format(shape) -> str:
+    """The format of a deployment shape's extra cache: the shape's, or the main cache's."""
+    return shape.extra_kv_format or shape.kv_format
+
+
+def shape_caches(shapes, gen, device="cuda") -> dict:
+    """A random cache per (format, page) the ``shapes`` read (main and extra caches), each of
+    16384 tokens (at least 4 blocks)."""
+    from .testing import make_cache
+
+    needed = ({(s.kv_format, s.page_block_size) for s in shapes} |
+              {(extra_format(s), s.extra_page_block_size) for s in shapes if s.extra_topk})
+    return {(f, p): make_cache(max(16384 // p, 4), p, device=device, kv_format=f, gen=gen) for f, p in sorted(needed)}
+
+
+def deployment_inputs(shape, T: int, caches: dict, *, has_len=False, has_extra_len=False, has_sink=False,
+                      gen=None, device="cuda"):
+    """(q, main cache, indices, the call's keyword arguments) of ``shape`` at ``T`` tokens on
+    ``caches`` (``shape_caches``): random q, slots (-1 among them), lengths and sink where asked."""
+    import torch
+
+    from cute_kernels.sparse_mla_decode.kv_format import get_format
+
+    cache = caches[shape.kv_format, shape.page_block_size]
+    slots = cache.shape[0] * shape.page_block_size
+    q = torch.randn(T, shape.num_heads, get_format(shape.kv_format).d_qk, device=device, generator=gen)
+    q = q.to(torch.bfloat16)
+    idx = torch.randint(-1, slots, (T, shape.topk), device=device, dtype=torch.int32, generator=gen)
+    kw = {"kv_format": shape.kv_format}
+    if has_len:
+        kw["topk_length"] = torch.randint(0, shape.topk + 1, (T,), device=device, dtype=torch.int32, generator=gen)
+    if has_sink:
+        kw["attn_sink"] = torch.randn(shape.num_heads, device=device, generator=gen)
+    if shape.extra_topk:
+        extra = caches[extra_format(shape), shape.extra_page_block_size]
+        e_slots = extra.shape[0] * shape.extra_page_block_size
+        kw["extra_kv_cache"] = extra
+        kw["extra_kv_format"] = extra_format(shape)
+        kw["extra_indices"] = torch.randint(-1, e_slots, (T, shape.extra_topk), device=device, dtype=torch.int32,
+                                            generator=gen)
+        if has_extra_len:
+            kw["extra_topk_length"] = torch.randint(0, shape.extra_topk + 1, (T,), device=device, dtype=torch.int32,
+                                                    generator=gen)
+    return q, cache, idx, kw
+
+
 def serve_registry(aot_dir: str | None) -> int:
     import torch
 
     from cute_kernels.arch import arch_for_capability
-    from cute_kernels.sparse_mla_decode.kv_format import get_format
 
     from . import loader, sparse_mla_decode
     from .registry import DEPLOYMENT_SHAPES
-    from .testing import make_cache
     from .variants import format_precisions, precisions_for
 
     arch = arch_for_capability(torch.cuda.get_device_capability())
@@ -81,14 +125,7 @@ def serve_registry(aot_dir: str | None) -> int:
     if aot_dir is not None:
         loader.set_aot_dir(aot_dir)
     loader.set_require_aot(True)  # any compile would raise MissingAotVariant
-    gen = torch.Generator().manual_seed(0)
-    def extra_format(shape):  # the extra cache's format: the shape's, or the main's
-        return shape.extra_kv_format or shape.kv_format
-
-    # (format, page) of every cache the shapes read: the main caches and the extra caches
-    needed = ({(s.kv_format, s.page_block_size) for s in DEPLOYMENT_SHAPES} |
-              {(extra_format(s), s.extra_page_block_size) for s in DEPLOYMENT_SHAPES if s.extra_topk})
-    caches = {(f, p): make_cache(max(16384 // p, 4), p, device="cuda", kv_format=f, gen=gen) for f, p in sorted(needed)}
+    caches = shape_caches(DEPLOYMENT_SHAPES, torch.Generator().manual_seed(0))
     first_call, calls, checks, worst, used, failures = None, 0, 0, 0.0, set(), []
     for precision in precisions_for(arch):
         flags = itertools.cycle(itertools.product((False, True), repeat=3))
@@ -96,26 +133,9 @@ def serve_registry(aot_dir: str | None) -> int:
             has_len, has_extra_len, has_sink = next(flags)  # the same options at one split and at several
             if any(precision not in format_precisions(arch, f) for f in (shape.kv_format, extra_format(shape))):
                 continue
-            cache = caches[shape.kv_format, shape.page_block_size]
             for T in (1, 300):
-                slots = cache.shape[0] * shape.page_block_size
-                q = torch.randn(T, shape.num_heads, get_format(shape.kv_format).d_qk, device="cuda").to(torch.bfloat16)
-                idx = torch.randint(-1, slots, (T, shape.topk), device="cuda", dtype=torch.int32)
-                kw = {"kv_format": shape.kv_format}
-                if has_len:
-                    kw["topk_length"] = torch.randint(0, shape.topk + 1, (T,), device="cuda", dtype=torch.int32)
-                if has_sink:
-                    kw["attn_sink"] = torch.randn(shape.num_heads, device="cuda")
-                if shape.extra_topk:
-                    extra = caches[extra_format(shape), shape.extra_page_block_size]
-                    e_slots = extra.shape[0] * shape.extra_page_block_size
-                    kw["extra_kv_cache"] = extra
-                    kw["extra_kv_format"] = extra_format(shape)
-                    kw["extra_indices"] = torch.randint(-1, e_slots, (T, shape.extra_topk), device="cuda",
-                                                        dtype=torch.int32)
-                    if has_extra_len:
-                        kw["extra_topk_length"] = torch.randint(0, shape.extra_topk + 1, (T,), device="cuda",
-                                                                dtype=torch.int32)
+                q, cache, idx, kw = deployment_inputs(shape, T, caches, has_len=has_len, has_extra_len=has_extra_len,
+                                                      has_sink=has_sink)
                 t0 = time.perf_counter()
                 out, lse = sparse_mla_decode(q, cache, idx, precision=precision, **kw)
                 torch.cuda.synchronize()

@@ -44,8 +44,10 @@ _lock = threading.Lock()
 _reported: set[str] = set()
 _aot_dir_override: str | None = None
 _require_aot_override: bool | None = None
-# how each variant this process uses was obtained (tests and tools read it)
+# how each variant this process uses was obtained (tests and tools read it): counts, and per
+# variant name where from ("aot <directory>", "jit disk cache <directory>" or "compiled")
 stats = {"compiled": 0, "aot_loaded": 0, "disk_loaded": 0}
+sources: dict[str, str] = {}
 
 
 class MissingAotVariant(RuntimeError):
@@ -74,6 +76,7 @@ def reset_for_tests() -> None:
     """Forget everything this process loaded (the disk is untouched)."""
     _compiled.clear()
     _reported.clear()
+    sources.clear()
     for k in stats:
         stats[k] = 0
 
@@ -205,7 +208,9 @@ def _load_aot(variant: KernelVariant, skipped: list[str]):
         try:
             if sha256_file(obj) != entry.get("object_sha256"):
                 raise ValueError("object sha256 does not match the manifest")
-            return load_object(obj, variant)
+            fn = load_object(obj, variant)
+            sources[variant.name] = f"aot {directory}"
+            return fn
         except Exception as err:  # a corrupt entry is never loaded
             skipped.append(f"{directory}: corrupt")
             _report_once(f"dsv4_mla: AOT entry {variant.name} in {directory} is corrupt ({err}); skipped")
@@ -272,15 +277,17 @@ def _obtain(variant: KernelVariant):
             f"dsv4-mla-aot-build --arch {variant.arch} --out <dir>, then set DSV4_MLA_AOT_DIR=<dir>"
         )
     if skipped:
-        _report_once(f"dsv4_mla: no up-to-date AOT entry for {variant.name}: taking it from the JIT disk cache "
-                     f"or compiling it")
+        _report_once("dsv4_mla: kernels with no up-to-date AOT entry are taken from the JIT disk cache or "
+                     "compiled (dispatch.loader.sources says which)")
     entry_dir = jit_cache_dir() / fingerprint_id(fingerprint(variant))
     fn = _load_from_disk(variant, entry_dir)
     if fn is not None:
         stats["disk_loaded"] += 1
+        sources[variant.name] = f"jit disk cache {jit_cache_dir()}"
         return fn
     compiled = compile_variant(variant)
     stats["compiled"] += 1
+    sources[variant.name] = "compiled"
     try:
         _store_on_disk(compiled, variant, entry_dir)
     except OSError as err:  # a read-only home must not stop serving

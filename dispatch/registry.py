@@ -49,17 +49,41 @@ class DeploymentShape:
     extra_kv_format: str | None = None  # the extra cache's, where it is another (``EXTRA_FORMATS``)
 
 
-# the inline-scale formats' models: (model, format, heads per GPU, topk, page)
+@dataclass(frozen=True)
+class Model:
+    """A model the registry serves: its name in the shapes, its query heads in all and the
+    tensor-parallel degrees it is deployed at (heads per GPU = heads / tp)."""
+
+    name: str
+    heads: int
+    tps: tuple[int, ...]
+
+    def heads_per_gpu(self) -> tuple[int, ...]:
+        return tuple(self.heads // tp for tp in self.tps)
+
+
+# by the name users give (``dsv4-mla-selftest --model``)
+MODELS = {
+    "deepseek-v4-flash": Model("V4-Flash", 64, (1, 2, 4, 8, 16)),
+    "deepseek-v4-pro": Model("V4-Pro", 128, (1, 2, 4, 8, 16)),
+    "deepseek-v4.1-flash": Model("V4.1-Flash", 64, (1, 2, 4, 8)),
+    "deepseek-v3.2": Model("DeepSeek-V3.2", 128, (1, 2, 4, 8, 16)),
+    "glm-5": Model("GLM-5.x", 64, (1, 2, 4, 8, 16)),
+    "glm-5.3": Model("GLM-5.3", 64, (1, 2, 4)),
+}
+_BY_NAME = {m.name: m for m in MODELS.values()}
+
+# the inline-scale formats' models: (model, format, topk, page)
 _INDEXER_MODELS = (
-    ("DeepSeek-V3.2", "v32_fp8", (128, 64, 32, 16, 8), 2048, 64),
-    ("GLM-5.x", "v32_fp8", (64, 32, 16, 8, 4), 2048, 64),
-    ("GLM-5.3", "glm_nope_fp8", (64, 32, 16), 2176, 64),
+    ("DeepSeek-V3.2", "v32_fp8", 2048, 64),
+    ("GLM-5.x", "v32_fp8", 2048, 64),
+    ("GLM-5.3", "glm_nope_fp8", 2176, 64),
 )
 
 
 def _shapes() -> list[DeploymentShape]:
     out = []
-    heads = {"V4-Flash": (64, 32, 16, 8, 4), "V4-Pro": (128, 64, 32, 16, 8), "V4.1-Flash": (64, 32, 16, 8)}
+    heads = {name: _BY_NAME[name].heads_per_gpu() for name in ("V4-Flash", "V4-Pro", "V4.1-Flash")}
     # DeepSeek-V4 in either of its cache formats (FP8 or NVFP4, main and extra, in any pairing);
     # V4.1 as vLLM keeps it on SM120, in V4's FP8 record, and in its own records (FlashInfer's
     # and b12x's writers: FP8 main, FP8 or NVFP4 extra, footer or inline scales)
@@ -80,8 +104,8 @@ def _shapes() -> list[DeploymentShape]:
             for extra_topk, extra_page in extras:
                 out.append(DeploymentShape(model, h, main_topk, 64, extra_topk, extra_page, kv_format=fmt,
                                            extra_kv_format=extra_fmt))
-    for model, kv_format, hs, topk, page in _INDEXER_MODELS:
-        out += [DeploymentShape(model, h, topk, page, kv_format=kv_format) for h in hs]
+    for model, kv_format, topk, page in _INDEXER_MODELS:
+        out += [DeploymentShape(model, h, topk, page, kv_format=kv_format) for h in _BY_NAME[model].heads_per_gpu()]
     return out
 
 

@@ -73,7 +73,7 @@ def test_wheel_holds_the_library_and_serves_every_deployment_shape_without_compi
     stats = json.loads(run.stdout.strip().splitlines()[-1])
     assert stats["compiled"] == 0 and stats["disk_loaded"] == 0
     assert stats["aot_loaded"] == stats["planned"] == len(entries)
-    for command in ("dsv4-mla-aot-build", "dsv4-mla-check-aot"):
+    for command in ("dsv4-mla-aot-build", "dsv4-mla-check-aot", "dsv4-mla-selftest"):
         helped = subprocess.run([str(site / "bin" / command), "--help"], env=env, cwd=tmp_path, capture_output=True,
                                 text=True)
         assert helped.returncode == 0 and f"usage: {command}" in helped.stdout, helped.stderr[-2000:]
