@@ -524,25 +524,6 @@ def test_plan_overrides_refuse_what_no_kernel_has(overrides, message):
         PlanOverrides(**overrides).check()
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"num_splits": 2}, "overrides must be a dispatch.PlanOverrides (e.g. PlanOverrides(num_splits=2)) or None, "
-                        "got dict"),
-    ("num_splits=2", "overrides must be a dispatch.PlanOverrides"),
-    (PlanOverrides(num_splits=2.0), "overrides.num_splits must be an int or None, got 2.0 (float)"),
-    (PlanOverrides(head_groups=True), "overrides.head_groups must be an int or None, got True (bool)"),
-])
-def test_plan_overrides_errors_come_before_the_device_check(overrides, message):
-    """A wrong ``overrides`` is refused as an ``InvalidDecodeInput`` naming the call, before the
-    inputs' device is looked at (these are CPU tensors, which the device check refuses)."""
-    from dispatch import plan_sparse_mla_decode
-
-    base = _inputs()
-    with pytest.raises(InvalidDecodeInput, match=re.escape(message)) as info:
-        plan_sparse_mla_decode(base["q"], base["kv_cache"], base["indices"], overrides=overrides)
-    assert str(info.value).startswith(MODEL1_FP8.model_type + ": num_tokens=2, num_heads=16")
-
-
-
 # ---------------------------------------------------------------------- formats in the dispatch
 def test_variant_space_per_format():
     """Per format: only its precisions, an extra list only where a model pairs it with an
@@ -1095,24 +1076,6 @@ def test_plan_overrides_refuse_the_wrong_types(overrides, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         PlanOverrides(**overrides).check()
-
-
-@pytest.mark.parametrize("overrides,message", [
-    ({"num_splits": 2}, "overrides must be a dispatch.PlanOverrides (e.g. PlanOverrides(num_splits=2)) or None, "
-                        "got dict"),
-    ("num_splits=2", "overrides must be a dispatch.PlanOverrides"),
-    (PlanOverrides(num_splits=2.0), "overrides.num_splits must be an int or None, got 2.0 (float)"),
-    (PlanOverrides(head_groups=True), "overrides.head_groups must be an int or None, got True (bool)"),
-])
-def test_plan_overrides_errors_come_before_the_device_check(overrides, message):
-    """A wrong ``overrides`` is refused as an ``InvalidDecodeInput`` naming the call, before the
-    inputs' device is looked at (these are CPU tensors, which the device check refuses)."""
-    from dispatch import plan_sparse_mla_decode
-
-    base = _inputs()
-    with pytest.raises(InvalidDecodeInput, match=re.escape(message)) as info:
-        plan_sparse_mla_decode(base["q"], base["kv_cache"], base["indices"], overrides=overrides)
-    assert str(info.value).startswith(MODEL1_FP8.model_type + ": num_tokens=2, num_heads=16")
 
 
 def test_plan_overrides_name_the_precision_a_register_bound_does_not_fit():
