@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import WRITERS, pack_latent, unpack_cache, writer_encodes_non_finite
+from cute_kernels.sparse_mla_decode.cache_format import (
+    WRITERS, check_non_finite, check_pack_options, pack_latent, unpack_cache,
+)
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
 
 __all__ = ["FORMATS", "DEFAULT_FORMAT", "EXTRA_FORMATS", "KvFormat", "get_format", "writers", "pack", "unpack"]
@@ -59,8 +61,9 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
     that hold no data: an int in [0, 255]) as ``cache_format.pack_latent``; ``row_stride`` is
     refused for a footer format (its rows are packed).
     NaN or Inf in the nope dims: encoded as the writer does where it defines it (FlashInfer's
-    V4.1 writers: ``cache_format.NON_FINITE_RECIPES``), refused naming the element otherwise;
-    the rope dims are stored as they are (bf16).
+    V4.1 writers: ``cache_format.NON_FINITE_RECIPES``), refused naming the element and its
+    scale group otherwise (``cache_format.check_non_finite``); the rope dims are stored as
+    they are (bf16).
     Raises ValueError naming what is wrong."""
     fmt = get_format(kv_format)
     page = _positive_int(page_block_size, "page_block_size")
@@ -77,18 +80,8 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
         raise ValueError(f"latent of shape {list(latent.shape)} holds no token")
     if writer is not None and writer not in WRITERS[fmt.name]:
         raise ValueError(f"writer must be one of {writers(fmt.name)} for {fmt.name}, got {writer!r}")
-    if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
-        raise ValueError(f"fill must be an int in [0, 255] (the byte written where no data is), got {fill!r}")
-    if row_stride is not None and not fmt.inline:
-        raise ValueError(f"row_stride applies to the formats with scales inline in the row "
-                         f"({[f for f in FORMATS if FORMATS[f].inline]}); {fmt.name}'s rows are packed, then "
-                         f"its scale footer: pass block_stride to pad its blocks")
-    nope = latent[..., :fmt.nope_dims]
-    if not writer_encodes_non_finite(fmt.name, writer) and not torch.isfinite(nope).all():
-        bad = (~torch.isfinite(nope)).nonzero()[0].tolist()
-        raise ValueError(f"latent{bad} is {nope[tuple(bad)].item()}: {fmt.name}'s "
-                         f"{writer or writers(fmt.name)[0]!r} writer has no encoding of NaN or Inf in the nope "
-                         f"dims (FlashInfer's V4.1 writers have one: writer='flashinfer' of the v41 formats)")
+    check_pack_options(fmt, row_stride, fill)
+    check_non_finite(latent, fmt.name, writer)  # here, to name the element by the latent's own index
     if latent.dim() == 2:
         num_blocks = -(-latent.shape[0] // page)
         blocks = latent.new_zeros(num_blocks * page, fmt.d_qk)

@@ -180,6 +180,15 @@ def _stale_reason(expected: dict, found: dict, bad: list[str]) -> str:
     return "; ".join(bad)
 
 
+def _instead() -> str:
+    """What happens to a kernel whose AOT entry cannot be used, as the stale-entry line says it."""
+    if require_aot():
+        return ("compiling at serve time is off (DSV4_MLA_REQUIRE_AOT / set_require_aot), so each kernel this "
+                "process needs from there is an error (MissingAotVariant)")
+    return (f"each kernel this process needs is compiled instead, once, into {jit_cache_dir()} "
+            f"(set DSV4_MLA_REQUIRE_AOT=1 to make this an error)")
+
+
 def _load_aot(variant: KernelVariant, skipped: list[str]):
     """The first up-to-date AOT entry of ``variant`` in ``aot_dirs()`` order, loaded, or None;
     every stale or corrupt entry passed over is reported once and added to ``skipped``."""
@@ -201,8 +210,7 @@ def _load_aot(variant: KernelVariant, skipped: list[str]):
             # said once per directory and reason: the fields that differ are the environment's
             # (the DSL's version and libs flavour, the sources), the same for every entry there
             _report_once(f"dsv4_mla: the AOT kernels in {directory} do not match this environment "
-                         f"({_stale_reason(expected, found, bad)}): each kernel this process needs is compiled "
-                         f"instead, once, into {jit_cache_dir()} (set DSV4_MLA_REQUIRE_AOT=1 to make this an error)")
+                         f"({_stale_reason(expected, found, bad)}): {_instead()}")
             continue
         obj = directory / entry.get("object", "")
         try:

@@ -51,12 +51,15 @@ class DeploymentShape:
 
 @dataclass(frozen=True)
 class Model:
-    """A model the registry serves: its name in the shapes, its query heads in all and the
-    tensor-parallel degrees it is deployed at (heads per GPU = heads / tp)."""
+    """A model the registry serves: its name in the shapes, its query heads in all, the
+    tensor-parallel degrees it is deployed at (heads per GPU = heads / tp) and whether its
+    attention has a learned sink per head (DeepSeek-V4 and V4.1: the ``sinks`` vLLM passes
+    FlashInfer's call; DeepSeek-V3.2 and GLM-5.x have none)."""
 
     name: str
     heads: int
     tps: tuple[int, ...]
+    attn_sink: bool
 
     def heads_per_gpu(self) -> tuple[int, ...]:
         return tuple(self.heads // tp for tp in self.tps)
@@ -64,12 +67,12 @@ class Model:
 
 # by the name users give (``dsv4-mla-selftest --model``)
 MODELS = {
-    "deepseek-v4-flash": Model("V4-Flash", 64, (1, 2, 4, 8, 16)),
-    "deepseek-v4-pro": Model("V4-Pro", 128, (1, 2, 4, 8, 16)),
-    "deepseek-v4.1-flash": Model("V4.1-Flash", 64, (1, 2, 4, 8)),
-    "deepseek-v3.2": Model("DeepSeek-V3.2", 128, (1, 2, 4, 8, 16)),
-    "glm-5": Model("GLM-5.x", 64, (1, 2, 4, 8, 16)),
-    "glm-5.3": Model("GLM-5.3", 64, (1, 2, 4)),
+    "deepseek-v4-flash": Model("V4-Flash", 64, (1, 2, 4, 8, 16), attn_sink=True),
+    "deepseek-v4-pro": Model("V4-Pro", 128, (1, 2, 4, 8, 16), attn_sink=True),
+    "deepseek-v4.1-flash": Model("V4.1-Flash", 64, (1, 2, 4, 8), attn_sink=True),
+    "deepseek-v3.2": Model("DeepSeek-V3.2", 128, (1, 2, 4, 8, 16), attn_sink=False),
+    "glm-5": Model("GLM-5.x", 64, (1, 2, 4, 8, 16), attn_sink=False),
+    "glm-5.3": Model("GLM-5.3", 64, (1, 2, 4), attn_sink=False),
 }
 _BY_NAME = {m.name: m for m in MODELS.values()}
 

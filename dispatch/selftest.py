@@ -1,404 +1,350 @@
-"""The self-test a user runs on their own GPU: ``dsv4-mla-selftest``.
+"""Check this library on your own GPU: accuracy and speed of the deployment shapes, against
+the float64 reference and against the other libraries where they run. ``dsv4-mla-selftest``.
 
-    dsv4-mla-selftest [--model NAME] [--tp N] [--format KV_FORMAT] [--precision P ...]
-                      [--tokens 1,8,64] [--out DIR] [--quick] [--no-timing] [--seed N]
+    dsv4-mla-selftest                                    # every model at 64 query heads per GPU
+    dsv4-mla-selftest --model deepseek-v4-flash --tp 4   # one deployment: 16 query heads per GPU
+    dsv4-mla-selftest --model glm-5.3 --quick --out report/
 
-For a deployment of the registry (``dispatch.registry.MODELS``: ``--model`` and ``--tp``; every
-model at ``--tp`` by default), it runs the deployment shapes of every cache format and pairing
-of that deployment (``--format`` keeps those reading that format) at a few token counts,
-in every compute path the GPU has for the format (``--precision`` picks some), and for
-each:
+What runs: the deployment shapes of ``dispatch.registry`` for the deployment named by
+--model / --tp (every shape the model is served with at that head count: each cache format
+and main / extra cache pairing, each top-k and page size; without --tp every head count of the
+model; without --model every model at 64 query heads per GPU, the one head count all of them
+are deployed with), restricted to one cache format by --format, at 1, 8 and 64 tokens per call
+(--quick: 1 and 64; --tokens), on random caches and queries (those of dsv4-mla-check-aot:
+slots with -1 among them, every list full, a sink per head where the model has one), in every
+compute path this GPU has for the shape's cache formats ("f16", the default, "bf16", "fp8",
+and "mxf8" on sm_120 / sm_121 for UE8M0-scaled caches; --precision narrows).
 
-- checks the result against the float64 reference on a sample of its tokens with the bound
-  the tests use (``dispatch.accuracy``: per token, out error at most twice the rounding
-  floor of the case), and prints it as error / bound;
-- times the call (captured in a CUDA graph, L2 flushed before each replay, the median of
-  ``REPEATS``), and times the same inputs through the peers installed beside it:
-  FlashInfer's SM120 sparse MLA (``trtllm_batch_decode_sparse_mla_dsv4``, the call vLLM
-  makes; sm_120 / sm_121 only) and FlashMLA's sparse decode (Hopper and datacenter
-  Blackwell only). A peer that cannot run says why ("not available: ...").
+Accuracy: each call's out against the float64 reference on up to 16 of its tokens, with the
+bound dsv4-mla-check-aot and the tests apply (dispatch.accuracy: per token, the relative L2
+error at most twice the rounding floor of the case); reported: the worst error over its bound.
 
-It writes ``dsv4-mla-selftest.json``, ``.md`` and, where matplotlib is installed, ``.png``
-(time per shape and path) into ``--out``, prints the Markdown table and a summary line, and
-says where every kernel it used came from: the AOT build (which directory), the JIT disk
-cache, or a compile in this process (``dispatch.loader.sources``): it never compiles
-silently.
+Speed (unless --no-timing): each call captured in a CUDA graph and replayed with L2 cleared
+before every replay, the median (dispatch.timing: the method of docs/performance.md; needs
+triton), in each path, and the same inputs through the other libraries where they run, called
+as vLLM calls them: FlashInfer's SM120 sparse MLA (trtllm_batch_decode_sparse_mla_dsv4; for
+DeepSeek-V3.2 / GLM rows trtllm_batch_decode_with_kv_cache_mla; sm_120 / sm_121 only) and
+FlashMLA's sparse FP8 decode (flash_mla_with_kvcache; sm_90; MODEL1 and V3.2 caches), query
+heads zero-padded as the engines pad them. A library that does not run says why.
 
-Exit status: 0 when every check passed, 1 when an accuracy check failed, 2 for a wrong
-argument, 3 when no CUDA GPU is visible or the GPU is not one the library serves.
+Kernels: before the calls, where each kernel variant they need will come from (an AOT build:
+its directory, or the installed package's; the JIT disk cache; or a compile now, which takes
+a while: dsv4-mla-aot-build makes them ahead); after, where each came from.
+
+Outputs, in --out (default: the current directory): dsv4-mla-selftest.json (every result),
+dsv4-mla-selftest.md (the report and its table) and dsv4-mla-selftest.png (time per shape,
+one bar per path and library; needs matplotlib: pip install 'dsv4-sparse-mla[plot]'). The
+table and a one-line summary are printed.
+
+Exit status: 0 every call within its bound; 1 an accuracy failure (a call above its bound,
+or one that raised); 2 a usage error; 3 no CUDA GPU is visible (one line says so); 4 a GPU
+these kernels do not run on (they run on sm_90, sm_120 and sm_121).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import platform
+import dataclasses
 import sys
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+import time
 
-from .registry import DEPLOYMENT_SHAPES, MODELS
+from cute_kernels.sparse_mla_decode.config import PRECISIONS
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS
+from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
-EXIT_ACCURACY, EXIT_USAGE, EXIT_NO_GPU = 1, 2, 3
-REPEATS = 30  # timed graph replays per call (the median is reported)
-L2_FLUSH_BYTES = 256 << 20  # written before each timed replay: more than any GPU's L2
-DEFAULT_TP = 4
-TOKENS, QUICK_TOKENS = (1, 8, 64), (1, 64)
-STEM = "dsv4-mla-selftest"
-# the heads FlashInfer's SM120 decode and FlashMLA's sparse decode take
-FLASHINFER_HEADS = (8, 16, 32, 64, 128)
-FLASHMLA_HEADS = (64, 128)
+from .registry import MODELS, DeploymentShape
+from .selftest_shapes import Deployment, SelfTestShape, UsageError, default_heads, select_deployment
 
-
-@dataclass
-class Row:
-    """One (shape, token count, compute path) of the self-test."""
-
-    model: str
-    num_heads: int
-    kv_format: str
-    extra_kv_format: str | None
-    topk: int
-    extra_topk: int
-    page: int
-    extra_page: int | None
-    tokens: int
-    precision: str
-    error_over_bound: float = math.nan
-    passed: bool = False
-    us: float | None = None
-    peers: dict = field(default_factory=dict)  # peer -> microseconds, or "not available: why"
-
-    @property
-    def label(self) -> str:
-        lists = f"{self.topk}" + (f"+{self.extra_topk}" if self.extra_topk else "")
-        fmt = self.kv_format + (f"+{self.extra_kv_format}" if self.extra_kv_format else "")
-        return f"{fmt} T={self.tokens} H={self.num_heads} topk={lists}"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_UNSUPPORTED_GPU = 0, 1, 2, 3, 4
+TOKENS = (1, 8, 64)  # one token, a few (speculative drafts, small batches), a batch that splits less
+QUICK_TOKENS = (1, 64)
+PROG = "dsv4-mla-selftest"
 
 
-# ---------------------------------------------------------------------- what to run
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=STEM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=sorted(MODELS), help="one model of the registry (default: every model)")
-    ap.add_argument("--tp", type=int, default=DEFAULT_TP,
-                    help="tensor-parallel degree: heads per GPU = the model's heads / tp (default %(default)s)")
-    ap.add_argument("--format", dest="kv_format", help="only the shapes that read this cache format")
-    ap.add_argument("--precision", action="append", choices=("f16", "bf16", "fp8", "mxf8"),
-                    help="compute path(s) to run (repeatable; default: every one the GPU has for the format)")
-    ap.add_argument("--tokens", help="comma-separated token counts (default 1,8,64; --quick 1,64)")
-    ap.add_argument("--out", default=".", help="directory for the JSON, Markdown and PNG reports (default: .)")
-    ap.add_argument("--quick", action="store_true", help="one shape per format pairing, two token counts")
-    ap.add_argument("--no-timing", action="store_true", help="accuracy only")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """``--tokens 1,8,64``: positive token counts, in the order given, each once."""
+    try:
+        values = [int(t) for t in text.replace(" ", ",").split(",") if t]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated positive token counts, e.g. 1,8,64")
+    return tuple(dict.fromkeys(values))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help=f"the model deployed (any case): {', '.join(MODELS)} (default: every model at "
+                                    f"{default_heads()} query heads per GPU)")
+    ap.add_argument("--tp", type=int, help="its tensor parallelism: query heads per GPU = the model's query heads / "
+                                           "tp (default: every head count the registry serves it at)")
+    ap.add_argument("--format", dest="kv_format", choices=list(FORMATS),
+                    help="only the shapes whose main cache is of this format (a format read only as an extra "
+                         "cache: whose extra cache is)")
+    ap.add_argument("--precision", action="append", choices=PRECISIONS,
+                    help="a compute path to run (repeatable; default: every path this GPU has for each shape)")
+    ap.add_argument("--tokens", type=parse_tokens,
+                    help=f"tokens per call, comma-separated (default {','.join(map(str, TOKENS))}; with --quick "
+                         f"{','.join(map(str, QUICK_TOKENS))})")
+    ap.add_argument("--out", default=".", help="the directory of the JSON, Markdown and PNG files (default: the "
+                                               "current directory; created where missing)")
+    ap.add_argument("--quick", action="store_true", help=f"fewer token counts ({','.join(map(str, QUICK_TOKENS))})")
+    ap.add_argument("--no-timing", action="store_true", help="accuracy only: no timing, no other libraries")
+    ap.add_argument("--seed", type=int, default=0, help="the seed of the random caches and queries (default 0)")
     return ap
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = _parser()
-    args = ap.parse_args(argv)
-    models = [args.model] if args.model else sorted(MODELS)
-    for name in models:
-        model = MODELS[name]
-        if args.tp not in model.tps:
-            ap.error(f"--tp {args.tp}: {name} ({model.heads} query heads) is deployed at tp {list(model.tps)}")
-    try:
-        args.token_counts = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else (
-            QUICK_TOKENS if args.quick else TOKENS)
-    except ValueError:
-        ap.error(f"--tokens {args.tokens!r}: expected comma-separated positive ints")
-    if any(t < 1 for t in args.token_counts):
-        ap.error(f"--tokens {args.tokens!r}: expected comma-separated positive ints")
-    args.models = models
-    if args.kv_format is not None and not any(_reads(s, args.kv_format) for s in shapes_for(models, args.tp)):
-        ap.error(f"--format {args.kv_format}: none of the shapes of {', '.join(models)} at tp {args.tp} reads it")
-    return args
-
-
-def _reads(shape, kv_format: str) -> bool:
-    return kv_format in (shape.kv_format, shape.extra_kv_format)
-
-
-def shapes_for(models, tp: int, kv_format: str | None = None, quick: bool = False) -> list:
-    """The registry's deployment shapes of ``models`` at ``tp`` (``--format``: those reading
-    ``kv_format``), one per (formats, list lengths) (the page sizes run the same kernels); with
-    ``quick`` one per format pairing and whether there is an extra list."""
-    out, seen = [], set()
-    for name in models:
-        model = MODELS[name]
-        for s in DEPLOYMENT_SHAPES:
-            if s.model != model.name or s.num_heads != model.heads // tp or (kv_format and not _reads(s, kv_format)):
-                continue
-            key = (s.model, s.kv_format, s.extra_kv_format) + ((s.extra_topk > 0,) if quick else (s.topk, s.extra_topk))
-            if key not in seen:
-                seen.add(key)
-                out.append(s)
-    return out
-
-
-# ---------------------------------------------------------------------- peers
-def flashinfer_call(q, cache, idx, kw, out, sm_scale: float):
-    """The keyword arguments of FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` for these
-    inputs, as vLLM calls it on SM120; or a string saying why FlashInfer does not take them."""
-    from .adapters import DSV4_KV_CACHE_FORMATS
-
-    pair = (kw["kv_format"], kw.get("extra_kv_format", kw["kv_format"]))
-    names = [name for name, formats in DSV4_KV_CACHE_FORMATS.items() if formats == pair]
-    if not names:
-        return f"not available: FlashInfer's DeepSeek-V4 call reads no {'+'.join(pair)} caches"
-    if q.shape[-2] not in FLASHINFER_HEADS:
-        return f"not available: FlashInfer takes {FLASHINFER_HEADS} heads, not {q.shape[-2]}"
-    T = q.shape[0]
-    full = lambda n: idx.new_full((T,), n)  # noqa: E731
-    call = dict(query=q, swa_kv_cache=cache, workspace_buffer=cache.new_empty(128 << 20), sparse_indices=idx,
-                swa_topk_lens=kw.get("topk_length", full(idx.shape[-1])), out=out, bmm1_scale=sm_scale,
-                sinks=kw.get("attn_sink"), kv_layout="NHD", kv_cache_format=names[0])
-    if "extra_kv_cache" in kw:
-        call.update(compressed_kv_cache=kw["extra_kv_cache"], extra_sparse_indices=kw["extra_indices"],
-                    extra_sparse_topk_lens=kw.get("extra_topk_length", full(kw["extra_indices"].shape[-1])))
-    return call
-
-
-def flashmla_call(q, cache, idx, kw, sm_scale: float):
-    """The arguments of FlashMLA's ``flash_mla_with_kvcache`` (sparse FP8 decode) for these
-    inputs; or a string saying why FlashMLA does not take them."""
-    if kw["kv_format"] != "model1_fp8" or kw.get("extra_kv_format", "model1_fp8") != "model1_fp8":
-        return "not available: FlashMLA's sparse decode reads MODEL1 FP8 caches only"
-    if q.shape[-2] not in FLASHMLA_HEADS:
-        return f"not available: FlashMLA takes {FLASHMLA_HEADS} heads, not {q.shape[-2]}"
-    call = dict(q=q.unsqueeze(1), k_cache=cache, block_table=None, cache_seqlens=None, head_dim_v=512,
-                tile_scheduler_metadata=None, num_splits=None, softmax_scale=sm_scale, causal=False,
-                is_fp8_kvcache=True, indices=idx.unsqueeze(1), attn_sink=kw.get("attn_sink"),
-                topk_length=kw.get("topk_length"))
-    if "extra_kv_cache" in kw:
-        call.update(extra_k_cache=kw["extra_kv_cache"], extra_indices_in_kvcache=kw["extra_indices"].unsqueeze(1),
-                    extra_topk_length=kw.get("extra_topk_length"))
-    return call
-
-
-def peer_functions(arch: str) -> dict:
-    """peer name -> (the function to call, or None) and why not, for this GPU's arch."""
-    peers = {}
-    try:
-        from flashinfer.decode import trtllm_batch_decode_sparse_mla_dsv4 as fi
-    except Exception as err:  # not installed, or it fails to import
-        peers["FlashInfer"] = (None, f"not available: flashinfer does not import ({type(err).__name__}: {err})")
-    else:
-        ok = arch in ("sm_120a", "sm_121a")
-        peers["FlashInfer"] = (fi if ok else None, None if ok else
-                               f"not available: FlashInfer's SM120 sparse MLA kernels run on sm_120 / sm_121, not {arch}")
-    try:
-        from flash_mla import flash_mla_with_kvcache as fm
-    except Exception as err:
-        peers["FlashMLA"] = (None, f"not available: flash_mla does not import ({type(err).__name__}: {err})")
-    else:
-        ok = arch == "sm_90a"
-        peers["FlashMLA"] = (fm if ok else None, None if ok else
-                             f"not available: FlashMLA's sparse decode runs on Hopper / datacenter Blackwell, not {arch}")
-    return peers
-
-
-# ---------------------------------------------------------------------- timing
-def time_us(fn) -> float:
-    """Median microseconds of ``fn`` replayed from a CUDA graph, the L2 flushed before each."""
-    import torch
-
-    fn()  # load / compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(REPEATS):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def _time_peer(name: str, fn, call) -> float | str:
-    if isinstance(call, str):
-        return call
-    try:
-        if name == "FlashMLA":  # its scheduler metadata first, as FlashMLA's callers make it
-            from flash_mla import get_mla_metadata
-
-            call["tile_scheduler_metadata"], call["num_splits"] = get_mla_metadata()
-        return time_us(lambda: fn(**call))
-    except Exception as err:  # a peer's refusal of the shape is its answer, not a self-test failure
-        return f"not available: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
-
-
-# ---------------------------------------------------------------------- the run
-def run(args) -> tuple[dict, list[Row]]:
-    import torch
-
-    from cute_kernels.arch import arch_for_capability
-    from cute_kernels.sparse_mla_decode.kv_format import get_format
-
-    from . import loader, sparse_mla_decode
-    from .check_aot import deployment_inputs, extra_format, shape_caches, spot_check
-    from .variants import format_precisions
-
-    arch = arch_for_capability(torch.cuda.get_device_capability())
-    props = torch.cuda.get_device_properties(0)
-    shapes = shapes_for(args.models, args.tp, args.kv_format, args.quick)
-    caches = shape_caches(shapes, torch.Generator().manual_seed(args.seed))
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    peers = {} if args.no_timing else peer_functions(arch)
-    rows = []
-    for shape in shapes:
-        fmts = (shape.kv_format, extra_format(shape))
-        paths = [p for p in format_precisions(arch, shape.kv_format) if p in format_precisions(arch, fmts[1])]
-        paths = [p for p in paths if p in args.precision] if args.precision else paths
-        for T in args.token_counts:
-            q, cache, idx, kw = deployment_inputs(shape, T, caches, has_len=True, has_extra_len=bool(shape.extra_topk),
-                                                  has_sink=True, gen=gen)
-            sm_scale = get_format(shape.kv_format).default_sm_scale
-            peer_times = {}
-            for name, (fn, why) in peers.items():
-                if fn is None:
-                    peer_times[name] = why
-                else:
-                    out = torch.empty(T, shape.num_heads, 512, dtype=torch.bfloat16, device="cuda")
-                    call = (flashinfer_call(q, cache, idx, kw, out, sm_scale) if name == "FlashInfer"
-                            else flashmla_call(q, cache, idx, kw, sm_scale))
-                    peer_times[name] = _time_peer(name, fn, call)
-            for precision in paths:
-                out, _ = sparse_mla_decode(q, cache, idx, precision=precision, **kw)
-                ratio, bad = spot_check(precision, q, cache, idx, kw, out)
-                row = Row(shape.model, shape.num_heads, shape.kv_format, shape.extra_kv_format, shape.topk,
-                          shape.extra_topk, shape.page_block_size, shape.extra_page_block_size, T, precision,
-                          error_over_bound=ratio, passed=not bad, peers=peer_times)
-                if not args.no_timing:
-                    o = torch.empty_like(out)
-                    row.us = time_us(lambda: sparse_mla_decode(q, cache, idx, precision=precision, out=o, **kw))
-                rows.append(row)
-                print(f"{'ok  ' if row.passed else 'FAIL'} {row.label} {precision}: error {ratio:.2f} x bound"
-                      + (f", {row.us:.1f} us" if row.us is not None else ""), flush=True)
-    from_where = {}
-    for name, source in sorted(loader.sources.items()):
-        from_where.setdefault(source, []).append(name)
-    env = {"gpu": props.name, "arch": arch, "sms": props.multi_processor_count, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "dsl": _dsl_version(), "python": platform.python_version(),
-           "deployment": f"{', '.join(args.models)} at tp {args.tp}", "kernels": from_where}
-    return env, rows
-
-
-def _dsl_version() -> str:
-    from .fingerprint import dsl_libs, dsl_version
-
-    return f"nvidia-cutlass-dsl {dsl_version()} ({dsl_libs()})"
-
-
-# ---------------------------------------------------------------------- reports
-def summary(env: dict, rows: list[Row]) -> str:
-    """The one-line verdict."""
-    failed = [r for r in rows if not r.passed]
-    worst = max((r.error_over_bound for r in rows), default=math.nan)
-    verdict = f"accuracy FAIL on {len(failed)} of {len(rows)}" if failed else f"accuracy PASS on all {len(rows)}"
-    compiled = len(env["kernels"].get("compiled", []))
-    peers = sorted({p for r in rows for p in r.peers})
-    peer_text = "; ".join(
-        f"{p} " + (f"timed on {sum(isinstance(r.peers.get(p), float) for r in rows)} rows"
-                   if any(isinstance(r.peers.get(p), float) for r in rows)
-                   else next(str(r.peers[p]) for r in rows if p in r.peers)) for p in peers)
-    return (f"{STEM}: {env['gpu']} ({env['arch']}, {env['sms']} SMs), {env['deployment']}: {verdict} "
-            f"(worst out error {worst:.2f} x its bound); kernels: {sum(len(v) for v in env['kernels'].values())} used, "
-            f"{compiled} compiled in this process" + (f"; peers: {peer_text}" if peer_text else ""))
-
-
-def markdown(env: dict, rows: list[Row]) -> str:
-    peers = sorted({p for r in rows for p in r.peers})
-    lines = [f"# {STEM}", "", f"{summary(env, rows)}", "",
-             "| " + " | ".join(f"{k}" for k in ("gpu", "arch", "sms", "torch", "cuda", "dsl", "python")) + " |",
-             "|" + " --- |" * 7,
-             "| " + " | ".join(str(env[k]) for k in ("gpu", "arch", "sms", "torch", "cuda", "dsl", "python")) + " |",
-             "", "Kernels by where they came from:", ""]
-    lines += [f"- {source}: {len(names)}" for source, names in sorted(env["kernels"].items())]
-    lines += ["", "| shape | path | error / bound | accuracy | us | " + " | ".join(f"{p} us" for p in peers) + " |",
-              "| --- | --- | --- | --- | --- |" + " --- |" * len(peers)]
-    for r in rows:
-        peer_cells = [f"{r.peers[p]:.1f}" if isinstance(r.peers.get(p), float) else "n/a" for p in peers]
-        lines.append(f"| {r.label} | {r.precision} | {r.error_over_bound:.2f} | {'pass' if r.passed else 'FAIL'} | "
-                     + (f"{r.us:.1f}" if r.us is not None else "-") + " | " + " | ".join(peer_cells) + " |")
-    reasons = sorted({f"{p}: {v}" for r in rows for p, v in r.peers.items() if isinstance(v, str)})
-    if reasons:
-        lines += ["", "Peers without a time:", ""] + [f"- {reason}" for reason in reasons]
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[Row], path: Path) -> bool:
-    """A bar chart of the times per shape and path (and peer); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    timed = [r for r in rows if r.us is not None]
-    if not timed:
-        return False
-    labels = sorted({r.label for r in timed}, key=lambda lab: [r.label for r in timed].index(lab))
-    series = {}
-    for r in timed:
-        series.setdefault(f"dsv4-sparse-mla {r.precision}", {})[r.label] = r.us
-        for p, v in r.peers.items():
-            if isinstance(v, float):
-                series.setdefault(p, {})[r.label] = v
-    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(labels) * max(1, len(series))), 5))
-    width = 0.8 / len(series)
-    for k, (name, values) in enumerate(series.items()):
-        xs = [i + k * width for i, lab in enumerate(labels) if lab in values]
-        ax.bar(xs, [values[lab] for lab in labels if lab in values], width, label=name)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("microseconds per call (CUDA graph, L2 flushed)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def write_reports(env: dict, rows: list[Row], out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / f"{STEM}.json", out_dir / f"{STEM}.md"]
-    written[0].write_text(json.dumps({"environment": env, "summary": summary(env, rows),
-                                      "rows": [asdict(r) for r in rows]}, indent=1))
-    written[1].write_text(markdown(env, rows))
-    if plot(rows, out_dir / f"{STEM}.png"):
-        written.append(out_dir / f"{STEM}.png")
-    return written
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
+# ---------------------------------------------------------------------- the GPU and its paths
+def find_gpu() -> tuple[dict | None, int | None, str | None]:
+    """(the GPU's name, capability, arch and SM count; None, exit status, one line) where no
+    CUDA GPU is visible or the visible one is not one these kernels run on."""
     import torch
 
     from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
 
     if not torch.cuda.is_available():
-        print(f"{STEM}: no CUDA GPU is visible (torch.cuda.is_available() is False): run it on the GPU server",
+        return None, EXIT_NO_GPU, (f"{PROG}: no CUDA GPU is visible (torch.cuda.is_available() is False): run it on "
+                                   f"the machine with the GPU (exit status {EXIT_NO_GPU})")
+    capability = torch.cuda.get_device_capability()
+    gpu = {"name": torch.cuda.get_device_name(), "capability": list(capability),
+           "arch": arch_for_capability(capability),
+           "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count}
+    if gpu["arch"] is None:
+        return None, EXIT_UNSUPPORTED_GPU, (f"{PROG}: {gpu['name']} (compute capability {capability[0]}.{capability[1]}) "
+                                            f"is not a GPU these kernels run on ({', '.join(SUPPORTED_ARCHS)})")
+    return gpu, None, None
+
+
+def path_order(paths) -> list[str]:
+    """The default path first, then the others in ``PRECISIONS`` order."""
+    return sorted(paths, key=lambda p: (p != DEFAULT_PRECISION, PRECISIONS.index(p)))
+
+
+def shape_paths(arch: str, shape: DeploymentShape, wanted=None) -> list[str]:
+    """The compute paths that read both of ``shape``'s cache formats on ``arch`` (of ``wanted``)."""
+    from .check_aot import extra_format
+    from .variants import format_precisions
+
+    both = set(format_precisions(arch, shape.kv_format)) & set(format_precisions(arch, extra_format(shape)))
+    return path_order(p for p in both if wanted is None or p in wanted)
+
+
+# ---------------------------------------------------------------------- the calls
+@dataclasses.dataclass
+class Case:
+    """One call: a shape at a token count, its tensors and ``sparse_mla_decode``'s keywords."""
+
+    shape: SelfTestShape
+    num_tokens: int
+    q: object
+    cache: object
+    indices: object
+    kw: dict
+    paths: list[str]
+
+    def row(self) -> dict:
+        s = self.shape.shape
+        return {"shape": self.shape.label, "models": list(self.shape.models), "num_heads": s.num_heads,
+                "topk": s.topk, "page_block_size": s.page_block_size, "extra_topk": s.extra_topk,
+                "extra_page_block_size": s.extra_page_block_size, "kv_format": s.kv_format,
+                "extra_kv_format": s.extra_kv_format, "attn_sink": self.shape.attn_sink,
+                "num_tokens": self.num_tokens, "paths": {}, "peers": {}}
+
+
+def make_cases(deployment: Deployment, tokens, arch: str, wanted, seed: int) -> list[Case]:
+    """The calls of the deployment at each token count, on random caches (``check_aot``'s
+    inputs) with every list full: a decode step whose context is longer than its lists."""
+    import torch
+
+    from .check_aot import deployment_inputs, shape_caches
+
+    caches = shape_caches([st.shape for st in deployment.shapes], torch.Generator().manual_seed(seed))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cases = []
+    for st in deployment.shapes:
+        paths = shape_paths(arch, st.shape, wanted)
+        for T in tokens:
+            q, cache, idx, kw = deployment_inputs(st.shape, T, caches, has_len=True,
+                                                  has_extra_len=st.shape.extra_topk > 0, has_sink=st.attn_sink, gen=gen)
+            kw["topk_length"].fill_(st.shape.topk)
+            if st.shape.extra_topk:
+                kw["extra_topk_length"].fill_(st.shape.extra_topk)
+            cases.append(Case(st, T, q, cache, idx, kw, paths))
+    return cases
+
+
+def planned_variants(case: Case, precision: str):
+    """The kernel variants the call in ``precision`` runs, as a plan selects them (no GPU work)."""
+    from .api import validate_call
+    from .selection import select_kernels
+
+    call = validate_call(case.q, case.cache, case.indices, precision=precision, for_plan=True, **case.kw)
+    return select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision).variants
+
+
+def expected_source(variant) -> str:
+    """Where the loader will take ``variant`` from, read without loading anything, in the words
+    of ``loader.sources``: "aot <directory>" (the first manifest of ``loader.aot_dirs()`` with
+    an up-to-date entry), "jit disk cache <directory>", or "compile" (it is compiled now)."""
+    from . import loader
+    from .fingerprint import fingerprint, fingerprint_id, mismatches
+
+    expected = fingerprint(variant)
+    for directory in loader.aot_dirs():
+        manifest = loader.read_manifest(directory)
+        entry = manifest["entries"].get(variant.name) if manifest is not None else None
+        if entry and not mismatches(expected, entry.get("fingerprint", {})) and (directory / entry.get("object", "")).is_file():
+            return f"aot {directory}"
+    if (loader.jit_cache_dir() / fingerprint_id(expected) / "meta.json").is_file():
+        return f"jit disk cache {loader.jit_cache_dir()}"
+    return "compile"
+
+
+def check_path(case: Case, precision: str) -> dict:
+    """The call's out in ``precision`` against the float64 reference (``check_aot.spot_check``,
+    the bound of ``dispatch.accuracy``)."""
+    from . import sparse_mla_decode
+    from .check_aot import spot_check
+
+    try:
+        out, _ = sparse_mla_decode(case.q, case.cache, case.indices, precision=precision, **case.kw)
+        ratio, bad = spot_check(precision, case.q, case.cache, case.indices, case.kw, out)
+    except Exception as err:  # a call that raises is a failure of the run, reported with the others
+        return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500]}
+    return {"status": "fail" if bad else "pass", "error_over_bound": ratio, "bad_tokens": bad}
+
+
+def time_path(case: Case, precision: str, timer) -> dict:
+    """``{"us": ...}`` of the planned call in ``precision``, or ``{"time_error": ...}``."""
+    from .timing import plan_runner
+
+    kw = {k: v for k, v in case.kw.items() if k not in ("kv_format", "extra_kv_format")}
+    try:
+        us = timer(plan_runner(case.q, case.cache, case.indices, kw, precision, None, case.kw["kv_format"],
+                               case.kw.get("extra_kv_format")))
+    except Exception as err:
+        return {"us": None, "time_error": f"{type(err).__name__}: {err}"[:500]}
+    return {"us": us}
+
+
+def timing_unavailable() -> str | None:
+    """Why calls cannot be timed here (the method needs triton's ``do_bench``), or None."""
+    try:
+        import triton.testing  # noqa: F401
+    except ImportError as err:
+        return f"not available: the timing method needs triton ({err})"
+    return None
+
+
+def run_cases(cases: list[Case], arch: str, timer=None, log=print) -> list[dict]:
+    """Every case: each path's accuracy (and time), then each peer's time on the same inputs."""
+    from .selftest_peers import new_workspace, peer_calls, time_peer
+
+    workspace = None
+    rows = []
+    for n, case in enumerate(cases, 1):
+        row = case.row()
+        for precision in case.paths:
+            row["paths"][precision] = check_path(case, precision)
+            if timer is not None:
+                row["paths"][precision].update(time_path(case, precision, timer))
+                if row["paths"][precision].get("time_error") and row["paths"][precision]["status"] == "pass":
+                    row["paths"][precision].update(status="error", error=row["paths"][precision]["time_error"])
+        if timer is not None:
+            workspace = workspace if workspace is not None else new_workspace(case.q.device)
+            for call in peer_calls(case.q, case.cache, case.indices, case.kw, arch, workspace):
+                row["peers"][call.peer] = time_peer(call, timer)
+        log(f"[{n}/{len(cases)}] {row['shape']} T={case.num_tokens}: "
+            + ", ".join(f"{p} {e['status']}" + (f" {e['us']:.1f} us" if e.get("us") else "")
+                        for p, e in row["paths"].items()), file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def software() -> dict:
+    import torch
+
+    from .fingerprint import PROJECT_VERSION, dsl_version
+    from .selftest_peers import version_of
+
+    return {"dsv4-sparse-mla": PROJECT_VERSION, "torch": torch.__version__, "nvidia-cutlass-dsl": dsl_version(),
+            "flashinfer": version_of("flashinfer"), "flash_mla": version_of("flash_mla")}
+
+
+def run(args, deployment: Deployment, gpu: dict) -> tuple[dict, int]:
+    """The self-test on the GPU: the result (``selftest_report``) and the exit status."""
+    from . import loader
+    from .selftest_report import source_counts, source_kind
+    from .timing import graph_time_us
+    from .variants import precisions_for
+
+    arch = gpu["arch"]
+    unknown = [p for p in args.precision or () if p not in precisions_for(arch)]
+    if unknown:
+        print(f"{PROG}: --precision {', '.join(unknown)}: not a compute path of {arch} (its paths: "
+              f"{', '.join(path_order(precisions_for(arch)))})", file=sys.stderr)
+        return {}, EXIT_USAGE
+    tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
+    cases = [c for c in make_cases(deployment, tokens, arch, args.precision, args.seed) if c.paths]
+    if not cases:
+        print(f"{PROG}: no shape of {deployment.description} has a path among --precision "
+              f"{', '.join(args.precision)} on {arch}", file=sys.stderr)
+        return {}, EXIT_USAGE
+    variants = {v.name: v for c in cases for p in c.paths for v in planned_variants(c, p)}
+    expected = {name: expected_source(v) for name, v in sorted(variants.items())}
+    counts = source_counts(expected)
+    print(f"{PROG}: {len(cases)} calls on {gpu['name']} ({arch}, {gpu['sms']} SMs) need {len(variants)} kernel "
+          f"variants: " + "; ".join(f"{n} {'from ' if not k.startswith('to ') else ''}{k}" for k, n in counts.items()),
+          file=sys.stderr, flush=True)
+    if any(s == "compile" for s in expected.values()):
+        print(f"{PROG}: compiling {sum(s == 'compile' for s in expected.values())} variants takes about a minute each "
+              f"(dsv4-mla-aot-build --arch {arch} --out DIR builds them ahead; then DSV4_MLA_AOT_DIR=DIR)",
+              file=sys.stderr, flush=True)
+    unavailable = None if args.no_timing else timing_unavailable()
+    timer = graph_time_us if not args.no_timing and unavailable is None else None
+    start = time.perf_counter()
+    rows = run_cases(cases, arch, timer)
+    used = {name: loader.sources.get(name, "not loaded") for name in expected}
+    result = {"tool": PROG, "gpu": gpu, "software": software(),
+              "deployment": {"description": deployment.description, "model": deployment.model, "tp": deployment.tp,
+                             "kv_format": deployment.kv_format},
+              "tokens": list(tokens), "paths": path_order({p for c in cases for p in c.paths}), "seed": args.seed,
+              "timing": {"enabled": timer is not None, "unavailable": unavailable,
+                         "method": "CUDA graph replay, L2 cleared before every replay, median (dispatch.timing)"},
+              "rows": rows, "kernels": {"expected": expected, "used": used},
+              "seconds": round(time.perf_counter() - start, 1)}
+    status = EXIT_FAILED if any(e["status"] != "pass" for row in rows for e in row["paths"].values()) else EXIT_OK
+    result["exit_status"] = status
+    compiled = [n for n, s in used.items() if source_kind(s).startswith("compiled")]
+    if compiled:
+        print(f"{PROG}: compiled {len(compiled)} kernel variants in this run (JIT): {', '.join(compiled)}",
               file=sys.stderr)
-        return EXIT_NO_GPU
-    if arch_for_capability(torch.cuda.get_device_capability()) is None:
-        print(f"{STEM}: {torch.cuda.get_device_name()} is not a GPU this library serves ({', '.join(SUPPORTED_ARCHS)})",
-              file=sys.stderr)
-        return EXIT_NO_GPU
-    env, rows = run(args)
-    written = write_reports(env, rows, Path(args.out))
-    print(markdown(env, rows))
-    print(f"reports: {', '.join(str(p) for p in written)}")
-    print(summary(env, rows))
-    return 0 if all(r.passed for r in rows) else EXIT_ACCURACY
+    return result, status
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        deployment = select_deployment(args.model, args.tp, args.kv_format)
+    except UsageError as err:
+        ap.error(str(err))  # exit status 2
+    gpu, status, line = find_gpu()
+    if gpu is None:
+        print(line, file=sys.stderr)
+        return status
+    result, status = run(args, deployment, gpu)
+    if not result:
+        return status
+    from .selftest_report import results_table, summary_line, write_reports
+
+    written = write_reports(result, args.out)
+    print(results_table(result))
+    print()
+    for what, path in written.items():
+        print(f"{PROG}: {what}: {path}", file=sys.stderr)
+    print(summary_line(result))
+    return status
 
 
 if __name__ == "__main__":

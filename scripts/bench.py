@@ -32,7 +32,8 @@ sm_scale = the format's d_qk**-0.5. Single-cache shapes gather uniform random sl
 "128+512" shapes take main = the last 128 tokens of a sequence through a random block table
 and extra = 512 random slots of a second cache ("128+8192@2": 8192 of a cache of the same
 262,144 tokens in 2-token pages). Each call is captured in one CUDA graph and
-replayed; time = median of ``triton.testing.do_bench`` (which clears L2 before every call).
+replayed; time = median of ``triton.testing.do_bench`` (which clears L2 before every call;
+``dispatch.timing``, shared with ``dsv4-mla-selftest``).
 GB/s counts T x (topk x the main format's + extra_topk x the extra format's bytes per token:
 584, 384, 528, 288, 656). The copy
 ceiling is measured in the same run (a 4 GiB device-to-device copy, bytes read + written).
@@ -64,9 +65,10 @@ from cute_kernels.sparse_mla_decode.kv_format import (
     DEFAULT_FORMAT, EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, KvFormat, get_format,
 )
 from cute_kernels.sparse_mla_decode.reference import reference_decode
-from dispatch import PlanOverrides, plan_sparse_mla_decode
+from dispatch import PlanOverrides
 from dispatch.registry import DEPLOYMENT_SHAPES
 from dispatch.testing import make_cache
+from dispatch.timing import graph_time_us, plan_runner
 
 NUM_BLOCKS, PAGE = 4096, 64
 # FlashMLA SM90 times (us) on an H200 by this method: (T, H, shape) -> us; the source of the
@@ -170,29 +172,6 @@ def call_inputs(shape: str, caches: Caches, kv_format: str, e_idx, extra_kv_form
     kw = {} if e_idx is None else dict(
         extra_kv_cache=caches.get(extra_kv_format or kv_format, "extra", extra_page_of(shape)), extra_indices=e_idx)
     return caches.get(kv_format, "main"), kw
-
-
-def plan_runner(q, cache, idx, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT,
-                extra_kv_format: str | None = None):
-    """A no-argument call of the planned decode on these inputs (``plan.run``: what a serving
-    engine captures in a CUDA graph)."""
-    out = torch.empty(*q.shape[:-1], get_format(kv_format).d_v, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, overrides=overrides,
-                                  kv_format=kv_format, extra_kv_format=extra_kv_format if kw else None, **kw)
-    scratch = plan.new_scratch()
-    return lambda: plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
-
-
-def graph_time_us(fn) -> float:
-    from triton.testing import do_bench
-
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, return_mode="median") * 1e3
 
 
 def print_table(rows: list, precisions: list) -> None:

@@ -16,7 +16,7 @@ from cute_kernels.sparse_mla_decode.cache_format import (
     WRITERS, CacheLayoutError, decode_scales, default_block_stride, e2m1_decode, e2m1_encode, extra_format_of,
     format_of,
     gather_slot_parts, gather_slots, pack_latent, page_division_magic, quantize_latent, read_cache_view,
-    unpack_cache,
+    unpack_cache, writer_encodes_non_finite,
 )
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, get_format
 from dispatch.testing import make_cache, view_width
@@ -487,6 +487,57 @@ def test_pack_latent_refuses_bad_strides(kv_format):
         pack_latent(latent, kv_format, block_stride=used - 16)
     with pytest.raises(ValueError, match="block_stride"):
         pack_latent(latent, kv_format, block_stride=used + 8)
+
+
+@pytest.mark.parametrize("fill", [300, -1, 1.5, True, "0"])
+def test_pack_latent_refuses_a_fill_that_is_not_a_byte(fill):
+    with pytest.raises(ValueError, match=re.escape(f"fill must be an int in [0, 255] (the byte written where no "
+                                                   f"data is), got {fill!r}")):
+        pack_latent(torch.zeros(1, 4, 512), "model1_fp8", fill=fill)
+
+
+@pytest.mark.parametrize("kv_format", [f for f in sorted(FORMATS) if not FORMATS[f].inline])
+def test_pack_latent_refuses_a_row_stride_for_a_footer_format(kv_format):
+    """A footer format's rows are packed: a row stride would be ignored, so it is refused."""
+    fmt = get_format(kv_format)
+    with pytest.raises(ValueError, match=re.escape(f"row_stride applies to the formats with scales inline in the "
+                                                   f"row ({[f for f in FORMATS if FORMATS[f].inline]}); "
+                                                   f"{kv_format}'s rows are packed")):
+        pack_latent(torch.zeros(1, 4, fmt.d_qk), kv_format, row_stride=fmt.bytes_per_token)
+
+
+NON_FINITE_REFUSED = [(f, w) for f in sorted(WRITERS) for w in WRITERS[f] if not writer_encodes_non_finite(f, w)]
+
+
+@pytest.mark.parametrize("kv_format,writer", NON_FINITE_REFUSED)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_packers_refuse_nan_and_inf_where_the_writer_has_no_encoding(kv_format, writer, value):
+    """Every writer but FlashInfer's V4.1 ones is specified for finite groups: ``quantize_latent``
+    and ``pack_latent`` refuse a NaN / Inf in the nope dims naming the element and its scale
+    group (their arithmetic stored the group as NaN); one in the rope dims is stored as given."""
+    fmt = get_format(kv_format)
+    latent = torch.randn(2, 4, fmt.d_qk, generator=torch.Generator().manual_seed(seed_for(kv_format + writer)))
+    dim = fmt.nope_dims - 3
+    latent[1, 2, dim] = value
+    first = dim // fmt.scale_group * fmt.scale_group
+    message = (f"latent[1, 2, {dim}] is {value}: {kv_format}'s {writer!r} writer has no encoding of NaN or Inf in the "
+               f"nope dims (its scale group, dims {first}..{first + fmt.scale_group - 1}, would be stored as NaN)")
+    for pack_or_quantize in (pack_latent, quantize_latent):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            pack_or_quantize(latent, kv_format, writer=writer)
+    if fmt.rope_dims:  # the rope dims are bf16 as given
+        latent[1, 2, dim] = 0.0
+        latent[1, 2, fmt.nope_dims + 1] = value
+        back = unpack_cache(pack_latent(latent, kv_format, writer=writer), kv_format)
+        assert torch.isnan(back[1, 2, fmt.nope_dims + 1]) if math.isnan(value) else back[1, 2, fmt.nope_dims + 1] == value
+        assert torch.isfinite(back[1, 2, :fmt.nope_dims]).all()
+
+
+def test_every_format_has_a_writer_of_each_kind_of_non_finite_handling():
+    """FlashInfer's V4.1 writers (the default of the four v41 formats) encode NaN / Inf; no other."""
+    encoding = {(f, w) for f in WRITERS for w in WRITERS[f] if writer_encodes_non_finite(f, w)}
+    assert encoding == {(f, "flashinfer") for f in WRITERS if f.startswith("v41_")}
+    assert all(writer_encodes_non_finite(f) for f in WRITERS if f.startswith("v41_"))
 
 
 def test_scale_records_decode_as_specified():

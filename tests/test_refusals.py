@@ -1,15 +1,20 @@
 """Refusals outside the table of ``docs/api.md`` (which ``tests/test_dispatch.py`` raises row by
 row): the float32 class of ``sm_scale``, the overlap of outputs with other tensors as the
-plans check it on every launch, and the commands' refusals on a machine without a GPU (CPU)."""
+plans check it on every launch, ``overrides`` of the wrong type, and the commands' refusals on
+a machine without a GPU (CPU)."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+from cute_kernels.sparse_mla_decode.kv_format import MODEL1_FP8
+from dispatch import InvalidDecodeInput, PlanOverrides, plan_sparse_mla_decode
 from dispatch.plan import FLT_MIN, RUN_TENSORS, byte_span, overlapping_output, scale_log2
+from dispatch.testing import make_cache, make_indices
 
 LOG2_E = 1.4426950408889634
 
@@ -52,6 +57,23 @@ def test_overlapping_output_names_the_first_pair():
     assert overlapping_output(*_spans(q=q, out=out, lse=lse, attn_sink=buf[3199:3201])) == ("lse", "attn_sink")
     # touching is not overlapping: [0, 1024) and [1024, 2048)
     assert overlapping_output(*_spans(q=q, out=buf[1024:2048], lse=lse)) is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_splits": 2}, "overrides must be a dispatch.PlanOverrides (e.g. PlanOverrides(num_splits=2)) or None, "
+                        "got dict"),
+    ("num_splits=2", "overrides must be a dispatch.PlanOverrides"),
+    (PlanOverrides(num_splits=2.0), "overrides.num_splits must be an int or None, got 2.0 (float)"),
+    (PlanOverrides(head_groups=True), "overrides.head_groups must be an int or None, got True (bool)"),
+])
+def test_plan_overrides_errors_come_before_the_device_check(overrides, message):
+    """A wrong ``overrides`` is refused as an ``InvalidDecodeInput`` naming the call, before the
+    inputs' device is looked at (these are CPU tensors, which the device check refuses)."""
+    q = torch.randn(2, 16, 512).to(torch.bfloat16)
+    with pytest.raises(InvalidDecodeInput, match=re.escape(message)) as info:
+        plan_sparse_mla_decode(q, make_cache(4, 64, device="cpu"), make_indices(2, 128, 256, device="cpu"),
+                               overrides=overrides)
+    assert str(info.value).startswith(MODEL1_FP8.model_type + ": num_tokens=2, num_heads=16")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the command would serve the registry")

@@ -462,6 +462,39 @@ def writer_encodes_non_finite(kv_format: str, writer: str | None = None) -> bool
     return recipes.get(writer or next(iter(recipes))) in NON_FINITE_RECIPES
 
 
+def check_non_finite(latent: torch.Tensor, kv_format: str, writer: str | None = None) -> None:
+    """Raise ValueError naming the first NaN or Inf in ``latent``'s nope dims (its index in
+    ``latent``, and its scale group) unless ``writer`` (default: the format's first) encodes
+    them as the real writer does (``writer_encodes_non_finite``): the other recipes are for
+    finite groups, and their arithmetic would store the element's whole group as NaN without
+    a word. The rope dims are stored as given (bf16), so they are not checked."""
+    fmt = get_format(kv_format)
+    if writer_encodes_non_finite(fmt.name, writer):
+        return
+    nope = latent[..., :fmt.nope_dims]
+    finite = torch.isfinite(nope)
+    if finite.all():
+        return
+    bad = (~finite).nonzero()[0].tolist()
+    first = bad[-1] // fmt.scale_group * fmt.scale_group
+    raise ValueError(f"latent{bad} is {nope[tuple(bad)].item()}: {fmt.name}'s "
+                     f"{writer or next(iter(WRITERS[fmt.name]))!r} writer has no encoding of NaN or Inf in the nope "
+                     f"dims (its scale group, dims {first}..{first + fmt.scale_group - 1}, would be stored as NaN); "
+                     f"FlashInfer's V4.1 writers have one: writer='flashinfer' of the v41 formats")
+
+
+def check_pack_options(fmt: KvFormat, row_stride, fill) -> None:
+    """Raise ValueError for a packer option that is not a value it takes or does not apply to
+    ``fmt``: ``fill`` must be a byte (an int in [0, 255]); ``row_stride`` applies to the
+    formats with scales inline in the row (a footer format's rows are packed)."""
+    if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
+        raise ValueError(f"fill must be an int in [0, 255] (the byte written where no data is), got {fill!r}")
+    if row_stride is not None and not fmt.inline:
+        raise ValueError(f"row_stride applies to the formats with scales inline in the row "
+                         f"({[name for name, f in FORMATS.items() if f.inline]}); {fmt.name}'s rows are packed, "
+                         f"then its scale footer: pass block_stride to pad its blocks")
+
+
 def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer: str | None = None):
     """Quantize ``[..., d_qk]`` latent rows as ``writer`` (``WRITERS``) writes ``kv_format``.
 
@@ -471,7 +504,9 @@ def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer:
     holding NaN or Inf). The codes: float8_e4m3fn for an e4m3 format; for an e2m1 format float32
     values of the e2m1 grid (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, the sign of a zero kept: -0.0
     is nibble 8), one per nope dim (``e2m1_encode`` gives the nibbles, ``pack_nibbles`` the
-    bytes). Either way ``codes.float() * scale`` (per group) is the dequantized nope part."""
+    bytes). Either way ``codes.float() * scale`` (per group) is the dequantized nope part.
+    NaN or Inf in the nope dims: encoded as FlashInfer's V4.1 writers do, refused naming the
+    element for every other writer (``check_non_finite``)."""
     fmt = get_format(kv_format)
     recipes = WRITERS[fmt.name]
     recipe = recipes[writer or next(iter(recipes))] if (writer or next(iter(recipes))) in recipes else None
@@ -479,6 +514,7 @@ def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer:
         raise ValueError(f"writer must be one of {sorted(recipes)} for {fmt.name}, got {writer!r}")
     if latent.shape[-1] != fmt.d_qk:
         raise ValueError(f"{fmt.name} latent rows must be {fmt.d_qk} wide, got {latent.shape[-1]}")
+    check_non_finite(latent, fmt.name, writer)
     x = latent.float()
     groups = x[..., :fmt.nope_dims].reshape(*x.shape[:-1], fmt.num_scales, fmt.scale_group)
     scale, codes = recipe(groups)
@@ -516,10 +552,13 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
     footer record are 0 whatever ``fill`` (its specification). Token t of block b is slot
     b * P + t, or for flat rows index b * R + t (R = block_stride / row_stride: the same
     where blocks are unpadded). The result is a uint8 view of a ``[num_blocks, block_stride]``
-    buffer on the latent's device."""
+    buffer on the latent's device. Refused (ValueError): a ``fill`` that is not a byte, a
+    ``row_stride`` for a footer format (``check_pack_options``), NaN or Inf in the nope dims
+    where the writer has no encoding of them (``check_non_finite``)."""
     fmt = get_format(kv_format)
     if latent.dim() != 3 or latent.shape[-1] != fmt.d_qk:
         raise ValueError(f"latent must be [num_blocks, P, {fmt.d_qk}] for {fmt.name}, got {list(latent.shape)}")
+    check_pack_options(fmt, row_stride, fill)
     num_blocks, page, _ = latent.shape
     pitch = fmt.bytes_per_token if not fmt.inline else (row_stride or fmt.row_pitches[0])
     if fmt.inline and (pitch < fmt.row_bytes or pitch % ALIGN):
