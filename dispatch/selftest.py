@@ -1,5 +1,5 @@
-"""Check this library on your own GPU: accuracy and speed of the deployment shapes, against
-the float64 reference and against the other libraries where they run. ``dsv4-mla-selftest``.
+"""dsv4-mla-selftest: check this library on your own GPU, the accuracy and speed of its
+deployment shapes, against the float64 reference and beside the other libraries that run there.
 
     dsv4-mla-selftest                                    # every model at 64 query heads per GPU
     dsv4-mla-selftest --model deepseek-v4-flash --tp 4   # one deployment: 16 query heads per GPU
@@ -9,11 +9,13 @@ What runs: the deployment shapes of ``dispatch.registry`` for the deployment nam
 --model / --tp (every shape the model is served with at that head count: each cache format
 and main / extra cache pairing, each top-k and page size; without --tp every head count of the
 model; without --model every model at 64 query heads per GPU, the one head count all of them
-are deployed with), restricted to one cache format by --format, at 1, 8 and 64 tokens per call
-(--quick: 1 and 64; --tokens), on random caches and queries (those of dsv4-mla-check-aot:
-slots with -1 among them, every list full, a sink per head where the model has one), in every
-compute path this GPU has for the shape's cache formats ("f16", the default, "bf16", "fp8",
-and "mxf8" on sm_120 / sm_121 for UE8M0-scaled caches; --precision narrows).
+are deployed with; a model is named in any case: deepseek-v4-flash, V4-Flash, v4-flash),
+restricted to one cache format by --format, at 1, 8 and 64 tokens per call (--tokens; --quick:
+1 and 64, and one page size per shape), on random caches and queries (those of
+dsv4-mla-check-aot: slots with -1 among them, every list full, a sink per head where the model
+has one), in every compute path this GPU has for the shape's cache formats ("f16", the
+default, "bf16", "fp8", and "mxf8" on sm_120 / sm_121 for UE8M0-scaled caches; --precision
+narrows).
 
 Accuracy: each call's out against the float64 reference on up to 16 of its tokens, with the
 bound dsv4-mla-check-aot and the tests apply (dispatch.accuracy: per token, the relative L2
@@ -53,14 +55,15 @@ from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
 from .registry import MODELS, DeploymentShape
-from .selftest_shapes import Deployment, SelfTestShape, UsageError, default_heads, select_deployment
+from .selftest_report import PROG
+from .selftest_shapes import Deployment, SelfTestShape, UsageError, default_heads, select_deployment, valid_tps
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_UNSUPPORTED_GPU = 0, 1, 2, 3, 4
-TOKENS = (1, 8, 64)  # one token, a few (speculative drafts, small batches), a batch that splits less
+TOKENS = (1, 8, 64)  # tokens per call: one request's step, a few (drafts, small batches), a batch
 QUICK_TOKENS = (1, 64)
-PROG = "dsv4-mla-selftest"
 
 
+# ---------------------------------------------------------------------- the arguments
 def parse_tokens(text: str) -> tuple[int, ...]:
     """``--tokens 1,8,64``: positive token counts, in the order given, each once."""
     try:
@@ -76,19 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help=f"the model deployed (any case): {', '.join(MODELS)} (default: every model at "
                                     f"{default_heads()} query heads per GPU)")
-    ap.add_argument("--tp", type=int, help="its tensor parallelism: query heads per GPU = the model's query heads / "
-                                           "tp (default: every head count the registry serves it at)")
-    ap.add_argument("--format", dest="kv_format", choices=list(FORMATS),
-                    help="only the shapes whose main cache is of this format (a format read only as an extra "
-                         "cache: whose extra cache is)")
-    ap.add_argument("--precision", action="append", choices=PRECISIONS,
-                    help="a compute path to run (repeatable; default: every path this GPU has for each shape)")
+    tps = "; ".join(f"{key} {','.join(map(str, valid_tps(key)))}" for key in MODELS)
+    ap.add_argument("--tp", type=int, help=f"its tensor parallelism: query heads per GPU = the model's query heads / "
+                                           f"tp ({tps}; default: every one)")
+    ap.add_argument("--format", dest="kv_format", choices=list(FORMATS), metavar="KV_FORMAT",
+                    help=f"only the shapes whose main cache is of this format ({', '.join(FORMATS)}; a format read "
+                         f"only as an extra cache: whose extra cache is)")
+    ap.add_argument("--precision", action="append", choices=PRECISIONS, metavar="PATH",
+                    help=f"a compute path to run, repeatable ({', '.join(path_order(PRECISIONS))}; default: every "
+                         f"path this GPU has for each shape)")
     ap.add_argument("--tokens", type=parse_tokens,
                     help=f"tokens per call, comma-separated (default {','.join(map(str, TOKENS))}; with --quick "
                          f"{','.join(map(str, QUICK_TOKENS))})")
     ap.add_argument("--out", default=".", help="the directory of the JSON, Markdown and PNG files (default: the "
                                                "current directory; created where missing)")
-    ap.add_argument("--quick", action="store_true", help=f"fewer token counts ({','.join(map(str, QUICK_TOKENS))})")
+    ap.add_argument("--quick", action="store_true", help=f"fewer calls: tokens {','.join(map(str, QUICK_TOKENS))}, "
+                                                         f"one page size per shape")
     ap.add_argument("--no-timing", action="store_true", help="accuracy only: no timing, no other libraries")
     ap.add_argument("--seed", type=int, default=0, help="the seed of the random caches and queries (default 0)")
     return ap
@@ -110,8 +116,9 @@ def find_gpu() -> tuple[dict | None, int | None, str | None]:
            "arch": arch_for_capability(capability),
            "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count}
     if gpu["arch"] is None:
-        return None, EXIT_UNSUPPORTED_GPU, (f"{PROG}: {gpu['name']} (compute capability {capability[0]}.{capability[1]}) "
-                                            f"is not a GPU these kernels run on ({', '.join(SUPPORTED_ARCHS)})")
+        cc = ".".join(map(str, capability))
+        return None, EXIT_UNSUPPORTED_GPU, (f"{PROG}: {gpu['name']} (compute capability {cc}) is not a GPU these "
+                                            f"kernels run on ({', '.join(SUPPORTED_ARCHS)})")
     return gpu, None, None
 
 
@@ -151,21 +158,22 @@ class Case:
                 "num_tokens": self.num_tokens, "paths": {}, "peers": {}}
 
 
-def make_cases(deployment: Deployment, tokens, arch: str, wanted, seed: int) -> list[Case]:
+def make_cases(deployment: Deployment, tokens, arch: str, wanted, seed: int, device="cuda") -> list[Case]:
     """The calls of the deployment at each token count, on random caches (``check_aot``'s
     inputs) with every list full: a decode step whose context is longer than its lists."""
     import torch
 
     from .check_aot import deployment_inputs, shape_caches
 
-    caches = shape_caches([st.shape for st in deployment.shapes], torch.Generator().manual_seed(seed))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    caches = shape_caches([st.shape for st in deployment.shapes], torch.Generator().manual_seed(seed), device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     cases = []
     for st in deployment.shapes:
         paths = shape_paths(arch, st.shape, wanted)
         for T in tokens:
             q, cache, idx, kw = deployment_inputs(st.shape, T, caches, has_len=True,
-                                                  has_extra_len=st.shape.extra_topk > 0, has_sink=st.attn_sink, gen=gen)
+                                                  has_extra_len=st.shape.extra_topk > 0, has_sink=st.attn_sink, gen=gen,
+                                                  device=device)
             kw["topk_length"].fill_(st.shape.topk)
             if st.shape.extra_topk:
                 kw["extra_topk_length"].fill_(st.shape.extra_topk)
@@ -173,12 +181,18 @@ def make_cases(deployment: Deployment, tokens, arch: str, wanted, seed: int) -> 
     return cases
 
 
-def planned_variants(case: Case, precision: str):
-    """The kernel variants the call in ``precision`` runs, as a plan selects them (no GPU work)."""
+def planned_variants(case: Case, precision: str, _target=None) -> tuple:
+    """The kernel variants the call in ``precision`` runs, as a plan selects them (no GPU work;
+    none where the call is refused: running it reports why). ``_target``: ``validate_call``'s
+    testing aid, (arch, SMs, shared memory per SM) to plan CPU tensors for."""
     from .api import validate_call
     from .selection import select_kernels
 
-    call = validate_call(case.q, case.cache, case.indices, precision=precision, for_plan=True, **case.kw)
+    try:
+        call = validate_call(case.q, case.cache, case.indices, precision=precision, for_plan=True, _target=_target,
+                             **case.kw)
+    except Exception:
+        return ()
     return select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision).variants
 
 
@@ -193,7 +207,8 @@ def expected_source(variant) -> str:
     for directory in loader.aot_dirs():
         manifest = loader.read_manifest(directory)
         entry = manifest["entries"].get(variant.name) if manifest is not None else None
-        if entry and not mismatches(expected, entry.get("fingerprint", {})) and (directory / entry.get("object", "")).is_file():
+        if entry and not mismatches(expected, entry.get("fingerprint", {})) \
+                and (directory / entry.get("object", "")).is_file():
             return f"aot {directory}"
     if (loader.jit_cache_dir() / fingerprint_id(expected) / "meta.json").is_file():
         return f"jit disk cache {loader.jit_cache_dir()}"
@@ -236,6 +251,16 @@ def timing_unavailable() -> str | None:
     return None
 
 
+def _progress(entry: dict) -> str:
+    """A path's result in a few words: "pass 0.41x its bound, 10.2 us"."""
+    from .selftest_report import times_text
+
+    text = entry["status"] + (f" ({entry['error'][:160]})" if entry.get("error") else "")
+    if entry.get("error_over_bound") is not None:
+        text += f" {times_text(entry['error_over_bound'])} its bound"
+    return text + (f", {entry['us']:.1f} us" if entry.get("us") else "")
+
+
 def run_cases(cases: list[Case], arch: str, timer=None, log=print) -> list[dict]:
     """Every case: each path's accuracy (and time), then each peer's time on the same inputs."""
     from .selftest_peers import new_workspace, peer_calls, time_peer
@@ -245,18 +270,18 @@ def run_cases(cases: list[Case], arch: str, timer=None, log=print) -> list[dict]
     for n, case in enumerate(cases, 1):
         row = case.row()
         for precision in case.paths:
-            row["paths"][precision] = check_path(case, precision)
+            entry = check_path(case, precision)
             if timer is not None:
-                row["paths"][precision].update(time_path(case, precision, timer))
-                if row["paths"][precision].get("time_error") and row["paths"][precision]["status"] == "pass":
-                    row["paths"][precision].update(status="error", error=row["paths"][precision]["time_error"])
+                entry.update(time_path(case, precision, timer))
+                if entry.get("time_error") and entry["status"] == "pass":  # a planned call that fails fails the run
+                    entry.update(status="error", error=entry["time_error"])
+            row["paths"][precision] = entry
         if timer is not None:
             workspace = workspace if workspace is not None else new_workspace(case.q.device)
             for call in peer_calls(case.q, case.cache, case.indices, case.kw, arch, workspace):
                 row["peers"][call.peer] = time_peer(call, timer)
         log(f"[{n}/{len(cases)}] {row['shape']} T={case.num_tokens}: "
-            + ", ".join(f"{p} {e['status']}" + (f" {e['us']:.1f} us" if e.get("us") else "")
-                        for p, e in row["paths"].items()), file=sys.stderr, flush=True)
+            + "; ".join(f"{p} {_progress(e)}" for p, e in row["paths"].items()), file=sys.stderr, flush=True)
         rows.append(row)
     return rows
 
@@ -274,7 +299,7 @@ def software() -> dict:
 def run(args, deployment: Deployment, gpu: dict) -> tuple[dict, int]:
     """The self-test on the GPU: the result (``selftest_report``) and the exit status."""
     from . import loader
-    from .selftest_report import source_counts, source_kind
+    from .selftest_report import counts_text, source_counts
     from .timing import graph_time_us
     from .variants import precisions_for
 
@@ -292,14 +317,12 @@ def run(args, deployment: Deployment, gpu: dict) -> tuple[dict, int]:
         return {}, EXIT_USAGE
     variants = {v.name: v for c in cases for p in c.paths for v in planned_variants(c, p)}
     expected = {name: expected_source(v) for name, v in sorted(variants.items())}
-    counts = source_counts(expected)
     print(f"{PROG}: {len(cases)} calls on {gpu['name']} ({arch}, {gpu['sms']} SMs) need {len(variants)} kernel "
-          f"variants: " + "; ".join(f"{n} {'from ' if not k.startswith('to ') else ''}{k}" for k, n in counts.items()),
-          file=sys.stderr, flush=True)
-    if any(s == "compile" for s in expected.values()):
-        print(f"{PROG}: compiling {sum(s == 'compile' for s in expected.values())} variants takes about a minute each "
-              f"(dsv4-mla-aot-build --arch {arch} --out DIR builds them ahead; then DSV4_MLA_AOT_DIR=DIR)",
-              file=sys.stderr, flush=True)
+          f"variants: {counts_text(source_counts(expected))}", file=sys.stderr, flush=True)
+    to_compile = sum(s == "compile" for s in expected.values())
+    if to_compile:
+        print(f"{PROG}: {to_compile} of them are compiled first (JIT), which takes a while; dsv4-mla-aot-build "
+              f"--arch {arch} --out DIR builds them ahead (then DSV4_MLA_AOT_DIR=DIR)", file=sys.stderr, flush=True)
     unavailable = None if args.no_timing else timing_unavailable()
     timer = graph_time_us if not args.no_timing and unavailable is None else None
     start = time.perf_counter()
@@ -315,7 +338,7 @@ def run(args, deployment: Deployment, gpu: dict) -> tuple[dict, int]:
               "seconds": round(time.perf_counter() - start, 1)}
     status = EXIT_FAILED if any(e["status"] != "pass" for row in rows for e in row["paths"].values()) else EXIT_OK
     result["exit_status"] = status
-    compiled = [n for n, s in used.items() if source_kind(s).startswith("compiled")]
+    compiled = [n for n, s in used.items() if s == "compiled"]
     if compiled:
         print(f"{PROG}: compiled {len(compiled)} kernel variants in this run (JIT): {', '.join(compiled)}",
               file=sys.stderr)
@@ -326,7 +349,7 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        deployment = select_deployment(args.model, args.tp, args.kv_format)
+        deployment = select_deployment(args.model, args.tp, args.kv_format, quick=args.quick)
     except UsageError as err:
         ap.error(str(err))  # exit status 2
     gpu, status, line = find_gpu()

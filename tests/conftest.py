@@ -41,6 +41,25 @@ def deployment_build():
     return out, {name: e for name, e in entries.items() if e["fingerprint"]["arch"] in DEPLOYMENT_ARCHS}
 
 
+@pytest.fixture
+def isolated_loader(monkeypatch, tmp_path):
+    """The loader as a fresh process finds it, with no package build and a private JIT cache:
+    what a test of where kernels come from starts from, and leaves behind."""
+    from dispatch import loader
+
+    monkeypatch.setattr(loader, "PACKAGE_AOT_DIR", tmp_path / "no_package_aot")
+    monkeypatch.setenv("DSV4_MLA_CACHE_DIR", str(tmp_path / "jit"))
+    monkeypatch.delenv("DSV4_MLA_AOT_DIR", raising=False)
+    monkeypatch.delenv("DSV4_MLA_REQUIRE_AOT", raising=False)
+    loader.set_aot_dir(None)
+    loader.set_require_aot(None)
+    loader.reset_for_tests()
+    yield loader
+    loader.set_aot_dir(None)
+    loader.set_require_aot(None)
+    loader.reset_for_tests()
+
+
 def pytest_terminal_summary(terminalreporter):
     if not ACCURACY:
         return

@@ -25,19 +25,8 @@ FORMAT_SLICE = "partial_(v32_fp8|glm_nope_fp8)_f16_g1x16.*len00_final1_sink0"
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
+def _isolated(isolated_loader):
     """No package manifest, a private JIT cache, and a fresh loader for every test."""
-    monkeypatch.setattr(loader, "PACKAGE_AOT_DIR", tmp_path / "no_package_aot")
-    monkeypatch.setenv("DSV4_MLA_CACHE_DIR", str(tmp_path / "jit"))
-    monkeypatch.delenv("DSV4_MLA_AOT_DIR", raising=False)
-    monkeypatch.delenv("DSV4_MLA_REQUIRE_AOT", raising=False)
-    loader.set_aot_dir(None)
-    loader.set_require_aot(None)
-    loader.reset_for_tests()
-    yield
-    loader.set_aot_dir(None)
-    loader.set_require_aot(None)
-    loader.reset_for_tests()
 
 
 @pytest.fixture(scope="module")
@@ -179,25 +168,6 @@ def test_mismatched_entry_is_never_loaded(built, tmp_path, caplog, field):
               "source_hash": "built from other kernel sources", "project_version": "built from other kernel sources"}
     assert "do not match this environment" in caplog.text
     assert reason.get(field, f"{field}: 'something else'") in caplog.text
-
-
-def test_a_wheel_of_another_dsl_flavour_says_once_why_it_compiles(built, tmp_path, caplog):
-    """Every entry built with the other libs flavour (a cu12 wheel in a cu13 engine): one line
-    for the directory, naming both flavours, however many kernels then compile."""
-    copy = tmp_path / "aot"
-    shutil.copytree(built, copy)
-    manifest = json.loads((copy / "manifest.json").read_text())
-    for entry in manifest["entries"].values():
-        entry["fingerprint"]["dsl_libs"] = "cu11"
-    (copy / "manifest.json").write_text(json.dumps(manifest))
-    loader.set_aot_dir(copy)
-    variants = [v for v in aot_build.planned_variants(["sm_120a"], SLICE)][:2]
-    assert len(variants) == 2
-    with caplog.at_level(logging.WARNING, logger="dsv4_mla"):
-        for v in variants:
-            assert loader.get_compiled(v) is not None
-    lines = [r.getMessage() for r in caplog.records if "nvidia-cutlass-dsl-libs-cu11" in r.getMessage()]
-    assert len(lines) == 1 and str(copy) in lines[0] and "DSV4_MLA_REQUIRE_AOT=1" in lines[0], lines
 
 
 def test_corrupt_object_is_never_loaded(built, tmp_path, caplog):
