@@ -15,13 +15,14 @@ every plan and every buffer it keeps.
 Split plans need scratch for the partial results, and a call that returns no lse (an adapter
 without ``return_lse``) still has the kernels write one. Outside a CUDA graph capture the
 one-shot path keeps one buffer of each kind per (device, stream), grown to the largest need
-seen: the scratch, and the lse of the calls that want none (a view of it per call, whatever
-the layout). Work on one stream runs in order, so consecutive calls can share them, and a
-buffer freed (grown, or by ``clear()``) is freed on the only stream that used it, so the
-caching allocator orders its reuse. The buffers kept never exceed a byte cap together: a
-call that would need more is served by buffers of its own, freed after its launch (in
-stream order), and the cache keeps what it had. During a capture each call allocates its
-own (from the graph's pool), so that graphs never share them.
+seen: the scratch, and the lse of the calls that want none (a view of it, whatever the
+layout; each layout keeps its view while the buffer is kept). Work on one stream runs in
+order, so consecutive calls can share them, and a buffer freed (grown, or by ``clear()``)
+is freed on the only stream that used it, so the caching allocator orders its reuse. The
+buffers kept never exceed a byte cap together: a call that would need more is served by
+buffers of its own, freed after its launch (in stream order), and the cache keeps what it
+had. During a capture each call allocates its own (from the graph's pool), so that graphs
+never share them.
 
 The caps: ``DSV4_MLA_PLAN_CACHE_ENTRIES`` layouts (default ``DEFAULT_ENTRIES``) and
 ``DSV4_MLA_PLAN_CACHE_BYTES`` bytes of buffers (default ``DEFAULT_BYTES``), read when the
@@ -77,12 +78,13 @@ class CachedPlan:
     """A plan with what the one-shot call needs beyond it: how to allocate the outputs that
     were not given (their planned shapes, on the planned device)."""
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "lse_numel")
+    __slots__ = ("plan", "out_shape", "lse_shape", "lse_numel", "lse_view")
 
     def __init__(self, plan: DecodePlan, out: torch.Tensor, lse: torch.Tensor):
         self.plan = plan
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
         self.lse_numel = math.prod(self.lse_shape)
+        self.lse_view = None  # a view of the kept lse buffer (``PlanCache.discarded_lse``)
 
     def new_out(self) -> torch.Tensor:
         return torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.plan.device)
@@ -101,7 +103,7 @@ class PlanCache:
         self.capacity = _env_cap(ENTRIES_ENV, DEFAULT_ENTRIES, 1) if capacity is None else capacity
         self.byte_cap = _env_cap(BYTES_ENV, DEFAULT_BYTES, 0) if byte_cap is None else byte_cap
         self._plans: dict = {}  # insertion ordered: the first key is the oldest
-        self._buffers: dict = {}  # (kind, device index, raw stream) -> tensor
+        self._buffers: dict = {}  # (kind, device index, raw stream) -> (tensor, its bytes)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -127,7 +129,7 @@ class PlanCache:
         """What the cache holds: its layouts and their cap, and its buffers' bytes by kind
         (``scratch``, ``lse``) and in all, against the byte cap."""
         with self._lock:
-            buffers = [(kind, t.numel() * t.element_size()) for (kind, _, _), t in self._buffers.items()]
+            buffers = [(kind, n) for (kind, _, _), (_, n) in self._buffers.items()]
             return {"entries": len(self._plans), "capacity": self.capacity,
                     "buffer_bytes": sum(n for _, n in buffers), "byte_cap": self.byte_cap,
                     "scratch_bytes": sum(n for kind, n in buffers if kind == "scratch"),
@@ -139,17 +141,21 @@ class PlanCache:
         if _capturing():
             return allocate()
         slot = (kind, device_index, _raw_stream(device_index))
-        buffer = self._buffers.get(slot)
-        if buffer is not None and buffer.numel() * buffer.element_size() >= nbytes:
-            return buffer
+        kept = self._buffers.get(slot)
+        if kept is not None and kept[1] >= nbytes:
+            return kept[0]
         with self._lock:
-            buffer = self._buffers.get(slot)
-            if buffer is not None and buffer.numel() * buffer.element_size() >= nbytes:
-                return buffer
-            others = sum(t.numel() * t.element_size() for s, t in self._buffers.items() if s != slot)
+            kept = self._buffers.get(slot)
+            if kept is not None and kept[1] >= nbytes:
+                return kept[0]
+            others = sum(n for s, (_, n) in self._buffers.items() if s != slot)
             if others + nbytes > self.byte_cap:
                 return allocate()  # the call's own, freed after its launch; the cache keeps what it had
-            buffer = self._buffers[slot] = allocate()
+            buffer = allocate()
+            self._buffers[slot] = (buffer, buffer.numel() * buffer.element_size())
+            if kind == "lse" and kept is not None:  # the views of the buffer replaced would keep it alive
+                for entry in self._plans.values():
+                    entry.lse_view = None
             return buffer
 
     def scratch(self, plan: DecodePlan) -> torch.Tensor | None:
@@ -165,4 +171,12 @@ class PlanCache:
         plan = entry.plan
         buffer = self._buffer("lse", plan.device_index, 4 * entry.lse_numel,
                               lambda: torch.empty(entry.lse_numel, dtype=torch.float32, device=plan.device))
-        return buffer[:entry.lse_numel].view(entry.lse_shape)
+        view = entry.lse_view
+        if view is not None and view._base is buffer:
+            return view  # a repeated call on the same stream: no new view (a few microseconds of host time)
+        view = buffer[:entry.lse_numel].view(entry.lse_shape)
+        # kept only as a view of a kept buffer: a call's own (over the byte cap, or in a capture)
+        # is freed after its launch
+        kept = any(buffer is b for b, _ in self._buffers.values())
+        entry.lse_view = view if kept else None
+        return view

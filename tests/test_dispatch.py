@@ -680,6 +680,35 @@ def test_plan_cache_keeps_buffers_within_its_byte_cap(monkeypatch):
     assert cache.info()["buffers"] == 0
 
 
+def test_discarded_lse_is_one_view_per_layout_of_the_kept_buffer(monkeypatch):
+    """A call that wants no lse gets a view of the stream's kept lse buffer: the same view
+    while that buffer is kept; none kept once the buffer grows (the old one is freed) or when
+    the call is served past the byte cap (its own buffer is not kept)."""
+    import dispatch.plan_cache as pc
+
+    monkeypatch.setattr(pc, "_capturing", lambda: False)
+    monkeypatch.setattr(pc, "_raw_stream", lambda index: 7)
+    cache = PlanCache(capacity=4, byte_cap=400)
+    plan = types.SimpleNamespace(device_index=0, device=torch.device("cpu"))
+
+    def entry(tokens, heads):
+        e = pc.CachedPlan(plan, torch.empty(tokens, heads, 8), torch.empty(tokens, heads))
+        cache.put((tokens, heads), e)
+        return e
+
+    small, large, huge = entry(2, 16), entry(4, 16), entry(8, 16)
+    first = cache.discarded_lse(small)
+    assert first.shape == (2, 16) and cache.discarded_lse(small) is first  # repeated: the same view
+    kept = first._base
+    grown = cache.discarded_lse(large)  # 256 bytes: the buffer grows, the old views are dropped
+    assert grown._base is not kept and small.lse_view is None
+    again = cache.discarded_lse(small)
+    assert again._base is grown._base and again.shape == (2, 16)
+    own = cache.discarded_lse(huge)  # 512 bytes > the 400-byte cap: the call's own buffer
+    assert own.shape == (8, 16) and own._base is not grown._base and huge.lse_view is None
+    assert cache.discarded_lse(small) is again and cache.info()["lse_bytes"] == 256
+
+
 def test_plan_cache_is_bounded_and_thread_safe():
     cache = PlanCache(capacity=3)
     for k in "abc":
