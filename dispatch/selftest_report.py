@@ -294,19 +294,24 @@ def write_plot(result: dict, path: Path) -> str | None:
     series = [(name, values) for name, values in series if any(v is not None for v in values)]
     if not series:
         return "no call was timed"
-    width = 0.8 / len(series)
-    # a bar a quarter inch wide, within what one image holds (matplotlib's limit is 2**16 pixels)
-    fig, ax = plt.subplots(figsize=(min(max(8.0, 0.25 * len(rows) * len(series) + 2), 400.0), 6))
+    # one horizontal group per shape and token count, its label beside it (readable at any
+    # count of rows), a log time axis (times span 10 us to milliseconds); a bar 0.07 inch
+    # high, within what one image holds (matplotlib's limit is 2**16 pixels)
+    height = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(10, min(max(4.0, 0.07 * len(rows) * len(series) + 1.5), 500.0)))
     for i, (name, values) in enumerate(series):
-        xs = [x + i * width for x, v in enumerate(values) if v is not None]
-        ax.bar(xs, [v for v in values if v is not None], width, label=name)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
-    ax.set_xticklabels([_row_label(row) for row in rows], rotation=90, fontsize=7)
-    ax.set_ylabel("us per call (CUDA graph replay, L2 cleared, median)")
+        ys = [y + i * height for y, v in enumerate(values) if v is not None]
+        ax.barh(ys, [v for v in values if v is not None], height, label=name)
+    ax.set_yticks([y + 0.4 - height / 2 for y in range(len(rows))])
+    ax.set_yticklabels([_row_label(row) for row in rows], fontsize=7)
+    ax.set_ylim(len(rows), -height)  # the first row on top, as in the Markdown table
+    ax.set_xscale("log")
+    ax.grid(axis="x", which="both", alpha=0.3)
+    ax.set_xlabel("us per call (CUDA graph replay, L2 cleared, median; log scale)")
     ax.set_title(f"{PROG}: {gpu_text(result['gpu'])}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the longest labels whole
     plt.close(fig)
     return None
 
