@@ -282,9 +282,11 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     q, o, sink = query, out, sinks
     if num_valid_heads is not None:
         q, o, sink = _valid_heads(query, out, sinks, num_valid_heads, main_format)
-    result, lse = one_shot_decode(q, swa_kv_cache, sparse_indices, bmm1_scale, swa_topk_lens, sink,
-                                  compressed_kv_cache, extra_sparse_indices, extra_sparse_topk_lens, o, None,
-                                  "natural", None, main_format, keep_lse=return_lse, caller_tag=kv_layout,
+    result, lse = one_shot_decode(q, swa_kv_cache, sparse_indices, sm_scale=bmm1_scale, topk_length=swa_topk_lens,
+                                  attn_sink=sink, extra_kv_cache=compressed_kv_cache,
+                                  extra_indices=extra_sparse_indices, extra_topk_length=extra_sparse_topk_lens,
+                                  out=o, lse=None, lse_convention="natural", precision=None, kv_format=main_format,
+                                  keep_lse=return_lse, caller_tag=kv_layout,
                                   extra_kv_format=None if compressed_kv_cache is None else extra_format,
                                   caller_check=lambda: _check_kv_layout(query, kv_layout, main_format,
                                                                         swa_kv_cache=swa_kv_cache,

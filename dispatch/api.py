@@ -533,15 +533,16 @@ def sparse_mla_decode(
         InvalidDecodeInput (a ValueError): before any GPU work, for an input this function
         cannot serve; the message names the call's shape and what was expected.
     """
-    return one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
-                           extra_topk_length, out, lse, lse_convention, precision, kv_format,
-                           extra_kv_format=extra_kv_format)
+    return one_shot_decode(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
+                           extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                           extra_topk_length=extra_topk_length, out=out, lse=lse, lse_convention=lse_convention,
+                           precision=precision, kv_format=kv_format, extra_kv_format=extra_kv_format)
 
 
-def one_shot_decode(q, kv_cache, indices, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
+def one_shot_decode(q, kv_cache, indices, *, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
                     extra_topk_length, out, lse, lse_convention, precision, kv_format, keep_lse=True,
                     caller_tag=None, caller_check=None, extra_kv_format=None):
-    """``sparse_mla_decode``, its arguments positional (what the adapters call).
+    """``sparse_mla_decode`` with every argument required by name (what the adapters call).
 
     ``keep_lse=False`` (an adapter that returns no lse, with ``lse=None``): the kernels write
     the lse into a buffer the plan cache keeps, and the lse returned must not be used.
