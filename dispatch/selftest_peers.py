@@ -133,12 +133,12 @@ def new_workspace(device) -> torch.Tensor:
 def flashinfer_call(q, kv_cache, indices, kw: dict, arch: str, workspace: torch.Tensor) -> PeerCall:
     """FlashInfer's SM120 sparse MLA on the inputs of ``sparse_mla_decode(q, kv_cache, indices,
     **kw)`` (``kw``: ``kv_format`` and the optional inputs), as vLLM calls it on ``arch``."""
+    if arch not in FLASHINFER_ARCHS:  # the first reason on a GPU it never runs on, installed or not
+        return PeerCall(FLASHINFER, unavailable=f"FlashInfer's SM120 sparse MLA kernels run on sm_120 / sm_121 only "
+                                                f"(this GPU: {arch})")
     flashinfer = _import("flashinfer")
     if flashinfer is None:
         return PeerCall(FLASHINFER, unavailable="not installed: pip install flashinfer-python")
-    if arch not in FLASHINFER_ARCHS:
-        return PeerCall(FLASHINFER, unavailable=f"FlashInfer's SM120 sparse MLA kernels run on sm_120 / sm_121 only "
-                                                f"(this GPU: {arch})")
     fmt = get_format(kw["kv_format"])
     T, H, _ = q.shape
     padded = next((h for h in FLASHINFER_HEADS if H <= h), None)
@@ -218,12 +218,12 @@ def flashmla_call(q, kv_cache, indices, kw: dict, arch: str) -> PeerCall:
     """FlashMLA's sparse FP8 decode on the inputs of ``sparse_mla_decode(q, kv_cache, indices,
     **kw)``: ``flash_mla_with_kvcache(q [T, 1, H, d_qk], k_cache, None, None, 512,
     sched_meta, is_fp8_kvcache=True, indices=[T, 1, topk], ...)``, heads padded to 64 or 128."""
+    if arch not in FLASHMLA_ARCHS:  # the first reason on a GPU it never runs on, installed or not
+        return PeerCall(FLASHMLA, unavailable=f"FlashMLA's sparse decode runs on sm_90 / sm_100 only (this GPU: "
+                                              f"{arch})")
     flash_mla = _import("flash_mla")
     if flash_mla is None:
         return PeerCall(FLASHMLA, unavailable="not installed: FlashMLA is built from github.com/deepseek-ai/FlashMLA")
-    if arch not in FLASHMLA_ARCHS:
-        return PeerCall(FLASHMLA, unavailable=f"FlashMLA's sparse decode runs on sm_90 / sm_100 only (this GPU: "
-                                              f"{arch})")
     main = kw["kv_format"]
     extra = kw.get("extra_kv_format") or main
     if main not in FLASHMLA_FORMATS or extra != main:
