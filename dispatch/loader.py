@@ -193,7 +193,8 @@ def _load_aot(variant: KernelVariant, skipped: list[str]):
     """The first up-to-date AOT entry of ``variant`` in ``aot_dirs()`` order, loaded, or None;
     every stale or corrupt entry passed over is reported once and added to ``skipped``."""
     expected = fingerprint(variant)
-    for directory in aot_dirs():
+    directories = aot_dirs()
+    for i, directory in enumerate(directories):
         manifest = read_manifest(directory)
         if manifest is None:
             continue
@@ -209,8 +210,12 @@ def _load_aot(variant: KernelVariant, skipped: list[str]):
             skipped.append(f"{directory}: stale")
             # said once per directory and reason: the fields that differ are the environment's
             # (the DSL's version and libs flavour, the sources), the same for every entry there
+            # what follows: the next directory with a manifest is searched (it may serve every
+            # kernel: nothing is compiled), else the kernel is compiled or, with AOT required, an error
+            later = next((d for d in directories[i + 1:] if (d / MANIFEST).exists()), None)
+            then = _instead() if later is None else f"the AOT kernels in {later} are searched next"
             _report_once(f"dsv4_mla: the AOT kernels in {directory} do not match this environment "
-                         f"({_stale_reason(expected, found, bad)}): {_instead()}")
+                         f"({_stale_reason(expected, found, bad)}): each is stale and skipped; {then}")
             continue
         obj = directory / entry.get("object", "")
         try:

@@ -19,7 +19,7 @@ This is the single source of truth for what the offline AOT build compiles
 
 each with every combination of the optional inputs (lengths, sink; the extra list's lengths
 where the format has an extra cache) with one split (final mode) and several splits
-(partial + merge). ``tests/test_dispatch.py::test_registry_is_what_plans_select`` plans a
+(partial + merge). ``tests/test_registry.py::test_registry_is_what_plans_select`` plans a
 sample of these calls as a call is planned and checks that each plan selects what
 ``registry_calls`` says, all of it in ``registry_variants``.
 """

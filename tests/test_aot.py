@@ -61,7 +61,7 @@ def test_missing_sass_tool_is_reported_before_any_compile(monkeypatch, tmp_path,
 
 def test_the_build_builds_the_registry_and_the_registry_is_the_variant_space():
     """What the build plans is the registry (the registry is what plans select:
-    ``tests/test_dispatch.py::test_registry_is_what_plans_select``), which on the deployment
+    ``tests/test_registry.py::test_registry_is_what_plans_select``), which on the deployment
     archs is the whole variant space."""
     for arch in ("sm_120a", "sm_121a"):
         planned = aot_build.planned_variants([arch])

@@ -1,4 +1,4 @@
-"""Refusals outside the table of ``docs/api.md`` (which ``tests/test_dispatch.py`` raises row by
+"""Refusals outside the table of ``docs/api.md`` (which ``tests/test_validation.py`` raises row by
 row): the float32 class of ``sm_scale``, the overlap of outputs with other tensors as the
 plans check it on every launch, ``overrides`` of the wrong type, and the commands' refusals on
 a machine without a GPU (CPU)."""

@@ -1,0 +1,114 @@
+"""A plan's kernel arguments (CPU): the values it binds (row strides, pages, splits), the
+alignment and layout ``run`` and ``bind`` check, and the argument schema both follow."""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from cute_kernels.sparse_mla_decode.cache_format import page_division_magic, read_cache_view
+from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS, GLM_NOPE_FP8, V32_FP8, V41_FP8
+from dispatch.api import ValidatedCall
+from dispatch.plan import DecodePlan
+from dispatch.splits import SplitPlan
+from dispatch.testing import make_cache
+from tests.dispatch_inputs import (
+    GLM_CACHE, GLM_POOL_CACHE, MODEL1, V32_CACHE, V41_CACHE, V41_INLINE_PADDED_CACHE, _BATCHED, _STRIDED_ROWS,
+    _cpu_plan, _misaligned,
+)
+
+
+def _validated(cache, kv_format, **fields) -> ValidatedCall:
+    """A ValidatedCall of a cache view and nothing else (what the plan's
+    argument values read), built on CPU: ``validate_call`` itself needs a CUDA device."""
+    empty = {f.name: None for f in dataclasses.fields(ValidatedCall)}
+    view = read_cache_view(cache, kv_format)
+    return ValidatedCall(**{**empty, "main": view, "extra": view, "kv_cache": cache, "device_index": 0,
+                            "precision": "f16", **fields})
+
+
+@pytest.mark.parametrize("kv_format,cache,index_page", [
+    (MODEL1, None, 64), (V32_FP8.name, V32_CACHE, 64), (GLM_NOPE_FP8.name, GLM_CACHE, 64),
+    (GLM_NOPE_FP8.name, GLM_POOL_CACHE, 64), (V41_FP8.name, V41_CACHE, 64),
+    ("v41_fp8_inline", V41_INLINE_PADDED_CACHE, 66),
+])
+def test_plan_binds_every_kernel_argument_and_the_row_strides(kv_format, cache, index_page):
+    """The plan gives every argument of the partial kernel's schema a value, the row strides
+    those of the cache views (MODEL1: its packed 584-byte rows; GLM-5.3: 528 or 656), the page
+    what an index is divided by (``CacheView.index_page``: P, or for flat rows the rows a
+    block stride holds), and a final-mode launch one split and no partial outputs."""
+    cache = make_cache(4, 64, device="cpu") if cache is None else cache
+    strides = dict(q_t=0, q_h=0, idx_t=0, extra_idx_t=0, main_block=1, main_row=0, main_slots=1, extra_block=1,
+                   extra_row=0, extra_slots=1, out_t=0, out_h=0, lse_t=0, lse_h=0)
+    call = _validated(cache, kv_format)
+    strides.update(main_row=call.main.row_stride, extra_row=call.extra.row_stride)
+    call.strides = strides
+    plan = types.SimpleNamespace(final=True, num_tokens=1, num_heads=16, topk=32, extra_topk=0,
+                                 split=SplitPlan(1, 1, 1), num_splits=1, _o_part_bytes=0)
+    values = DecodePlan._argument_values(plan, call, present={"q", "main", "indices", "out", "lse"})
+    assert set(values) == {a.name for a in PARTIAL_ARGS}
+    expected = FORMATS[kv_format].bytes_per_token if kv_format == MODEL1 else cache.stride(1)
+    assert values["main_row_stride"] == values["extra_row_stride"] == expected
+    assert call.main.index_page == index_page and call.main.page_block_size == 64
+    assert values["main_page"] == values["extra_page"] == index_page, values["main_page"]
+    assert values["main_page_magic"] == page_division_magic(index_page)
+    assert (values["num_splits"], values["launch_splits"], values["o_part"], values["lse_part"]) == (1, 1, 0, 0)
+
+
+def test_plan_alignment_comes_from_the_kernel_argument_schema(monkeypatch):
+    from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
+    from dispatch.plan import RUN_TENSORS
+
+    plan, _ = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, dtype=torch.int32))
+    schema = {a.name: a.align for a in PARTIAL_ARGS}
+    aligns = dict(zip((name for name, _ in RUN_TENSORS), plan._aligns))
+    assert aligns["q"] == schema["q"] == 16 and aligns["kv_cache"] == schema["main_cache"] == 16
+    assert aligns["out"] == schema["out"] == 8 and aligns["topk_length"] == schema["main_len"] == 4
+
+
+def test_plan_run_refuses_a_misaligned_tensor(monkeypatch):
+    plan, call = _cpu_plan(monkeypatch)
+    kw = dict(out=call.out, lse=call.lse, scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8))
+    plan._checked_values("run", (call.q, call.kv_cache, call.indices, None, None, call.out, call.lse, None, None,
+                                 None), None, kw["scratch"])  # the planned tensors pass
+    for name, offset, align in (("q", 8, 16), ("out", 4, 8)):
+        tensors = dict(q=call.q, out=call.out)
+        tensors[name] = _misaligned(tensors[name], offset)
+        assert tensors[name].stride() == getattr(call, name).stride()
+        for caller in ("run", "bind"):
+            with pytest.raises(ValueError, match=rf"DecodePlan.{caller}: {name} starts at address 0x[0-9a-f]+, "
+                                                 rf"not {align}-byte aligned"):
+                getattr(plan, caller)(tensors["q"], call.kv_cache, call.indices, out=tensors["out"], lse=call.lse,
+                                      scratch=kw["scratch"])
+
+
+def test_plan_run_refuses_lengths_that_are_not_one_int_per_token_in_order(monkeypatch):
+    plan, call = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, 2, dtype=torch.int32), **_BATCHED)
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"DecodePlan.run: topk_length has shape \[2, 2\], strides \[4, 1\]"):
+        plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=scratch,
+                 topk_length=_STRIDED_ROWS)
+
+
+def test_run_and_bind_take_the_planned_tensors_by_name():
+    import inspect
+
+    from dispatch.plan import RUN_TENSORS, DecodePlan
+
+    for method in (DecodePlan.run, DecodePlan.bind):
+        params = inspect.signature(method).parameters
+        assert all(name in params for name, _ in RUN_TENSORS), method
+
+
+def test_kernel_params_take_the_schema_and_at_most_the_stream():
+    from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, KernelParams
+
+    n = len(MERGE_ARGS)  # the stream last
+    p = KernelParams(MERGE_ARGS, list(range(n)))  # a launcher's arguments, the stream's dropped
+    assert p.num_heads == 4 and not hasattr(p, "stream")
+    assert KernelParams(MERGE_ARGS, list(range(n - 1))).lse_stride_h == n - 2  # without the stream
+    for count in (n + 1, n - 2):
+        with pytest.raises(ValueError, match=f"{n - 1} kernel arguments expected"):
+            KernelParams(MERGE_ARGS, list(range(count)))
