@@ -259,23 +259,12 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     """
     if lse_convention not in LSE_CONVENTIONS:
         _check_convention(lse_convention, query)
-    problem = _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
-                            compressed_kv_cache, extra_sparse_indices, backend, hca_swa_indices,
-                            hca_compressed_block_tables, hca_seq_lens, hca_use_persistent, hca_sparse_indices_format,
-                            sparse_indices_are_storage_offsets, dsv4_output_scale, dsv4_inv_rope_cos_sin_cache)
     formats = DSV4_KV_CACHE_FORMATS.get(kv_cache_format) if isinstance(kv_cache_format, str) else None
-    if problem is None and unknown:
-        problem = (f"{', '.join(sorted(unknown))}: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 "
-                   f"this adapter serves (checked against {FLASHINFER_CHECKED})")
-    if problem is None and sparse_topk_lens_offset != 0:
-        problem = (f"sparse_topk_lens_offset must be 0 (it offsets sparse_topk_lens, FlashInfer's SM100 length), "
-                   f"got {sparse_topk_lens_offset!r}")
-    if problem is None and formats is None:
-        problem = f"kv_cache_format must be one of {sorted(DSV4_KV_CACHE_FORMATS)}, got {kv_cache_format!r}"
-    if problem is None and (isinstance(bmm1_scale, (bool, torch.Tensor)) or not isinstance(bmm1_scale, (int, float))):
-        problem = (f"bmm1_scale must be a Python number: a tensor would be read back to the host (a synchronization, "
-                   f"wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too), got "
-                   f"{type(bmm1_scale).__name__}")
+    problem = _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk_lens,
+                            sparse_topk_lens_offset, sparse_indices, compressed_kv_cache, extra_sparse_indices, backend,
+                            kv_cache_format, formats, unknown, hca_swa_indices, hca_compressed_block_tables,
+                            hca_seq_lens, hca_use_persistent, hca_sparse_indices_format,
+                            sparse_indices_are_storage_offsets, dsv4_output_scale, dsv4_inv_rope_cos_sin_cache)
     if problem is not None:
         _refuse(problem, query, _DSV4_FORMAT if formats is None else formats[0])
     main_format, extra_format = formats
@@ -330,10 +319,13 @@ _UNSERVED_NAMES = ("hca_swa_indices", "hca_compressed_block_tables", "hca_seq_le
                    "dsv4_inv_rope_cos_sin_cache")
 
 
-def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_topk_lens, sparse_indices,
-                  compressed_kv_cache, extra_sparse_indices, backend, *unserved) -> str | None:
-    """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found).
-    Every call runs it: the common case is a handful of comparisons."""
+def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk_lens, sparse_topk_lens_offset,
+                  sparse_indices, compressed_kv_cache, extra_sparse_indices, backend, kv_cache_format, formats,
+                  unknown, *unserved) -> str | None:
+    """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found);
+    ``formats``: ``kv_cache_format``'s pair in ``DSV4_KV_CACHE_FORMATS`` (None: not one),
+    ``unknown``: the keywords no FlashInfer release this adapter follows has. Every call runs
+    it: the common case is a handful of comparisons."""
     if cum_seq_lens_q is not None:
         d_qk = FORMATS[_DSV4_FORMAT].d_qk
         return (f"cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, {d_qk}] or "
@@ -357,6 +349,18 @@ def _dsv4_refusal(cum_seq_lens_q, bmm2_scale, kv_layout, sparse_topk_lens, swa_t
                  if value is not default]
         return (f"{', '.join(given)}: not served (FlashInfer's HCA inputs; storage-offset indices and the FP8 "
                 f"output with a fused inverse RoPE, which vLLM passes only on SM100)")
+    if unknown:
+        return (f"{', '.join(sorted(unknown))}: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 "
+                f"this adapter serves (checked against {FLASHINFER_CHECKED})")
+    if sparse_topk_lens_offset != 0:
+        return (f"sparse_topk_lens_offset must be 0 (it offsets sparse_topk_lens, FlashInfer's SM100 length), "
+                f"got {sparse_topk_lens_offset!r}")
+    if formats is None:
+        return f"kv_cache_format must be one of {sorted(DSV4_KV_CACHE_FORMATS)}, got {kv_cache_format!r}"
+    if isinstance(bmm1_scale, (bool, torch.Tensor)) or not isinstance(bmm1_scale, (int, float)):
+        return (f"bmm1_scale must be a Python number: a tensor would be read back to the host (a synchronization, "
+                f"wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too), got "
+                f"{type(bmm1_scale).__name__}")
     return None
 
 

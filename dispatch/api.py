@@ -22,7 +22,7 @@ from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 
 from .lse import LSE_CONVENTIONS, check_convention, convert_lse
 from .metadata import DecodeMetadata, InvalidDecodeInput
-from .plan import _LSE, _OUT, RUN_TENSORS, byte_span, overlapping_output, scale_log2
+from .plan import _LSE, _OUT, RUN_TENSORS, SCALE_RULE, byte_span, overlap_problem, overlapping_output, scale_log2
 from .plan_cache import CachedPlan, PlanCache, layout_key
 from .variants import PRECISIONS, check_format_precision, resolve_precision
 
@@ -324,8 +324,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     if sm_scale is None:
         sm_scale = fmt.default_sm_scale
     if scale_log2(sm_scale, fmt.default_sm_scale) is None:
-        check.fail(f"sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32 "
-                   f"(the kernels' argument: finite, at least 1.2e-38 in magnitude), got {sm_scale!r}")
+        check.fail(f"{SCALE_RULE}, got {sm_scale!r}")
     if attn_sink is not None:
         check.tensor(attn_sink, "attn_sink", torch.float32, device)
         check.shape(attn_sink, "attn_sink", (num_heads,))
@@ -352,8 +351,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
     overlap = overlapping_output(tuple(0 if t is None else t.data_ptr() for t in tensors), spans,
                                  tuple(i for i, n in enumerate(spans) if n))
     if overlap is not None:
-        check.fail(f"{overlap[0]} overlaps {overlap[1]} in memory; the kernels write {overlap[0]} while they read "
-                   f"the inputs: give it memory of its own")
+        check.fail(overlap_problem(overlap))
 
     if precision is not None and precision not in PRECISIONS:
         check.fail(f"precision must be one of {PRECISIONS} or None (the default), got {precision!r}")

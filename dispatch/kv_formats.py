@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_format import (
-    WRITERS, check_non_finite, check_pack_options, pack_latent, unpack_cache,
+    WRITERS, check_non_finite, pack_latent, unpack_cache,
 )
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
 
@@ -80,7 +80,6 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
         raise ValueError(f"latent of shape {list(latent.shape)} holds no token")
     if writer is not None and writer not in WRITERS[fmt.name]:
         raise ValueError(f"writer must be one of {writers(fmt.name)} for {fmt.name}, got {writer!r}")
-    check_pack_options(fmt, row_stride, fill)
     check_non_finite(latent, fmt.name, writer)  # here, to name the element by the latent's own index
     if latent.dim() == 2:
         num_blocks = -(-latent.shape[0] // page)

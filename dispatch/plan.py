@@ -66,6 +66,18 @@ def scale_log2(sm_scale, default: float) -> float | None:
     return value
 
 
+# what an sm_scale must be, as every refusal of one says it (``scale_log2``)
+SCALE_RULE = ("sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32 (the "
+              "kernels' argument: finite, at least 1.2e-38 in magnitude)")
+
+
+def overlap_problem(overlap: tuple[str, str]) -> str:
+    """The refusal of an ``overlapping_output`` finding, as every path words it."""
+    written, other = overlap
+    return (f"{written} overlaps {other} in memory; the kernels write {written} while they read the inputs: give "
+            f"it memory of its own")
+
+
 def byte_span(t: torch.Tensor) -> int:
     """The bytes from ``t``'s first element to one past its last (0 for an empty tensor):
     what two tensors must not share for one to be written while the other is read."""
@@ -305,12 +317,10 @@ class DecodePlan:
             values.append(address)
         overlap = overlapping_output(values, self._spans, self._present)
         if overlap is not None:
-            raise ValueError(f"DecodePlan.{caller}: {overlap[0]} overlaps {overlap[1]} in memory; the kernels write "
-                             f"{overlap[0]} while they read the inputs: give it memory of its own")
+            raise ValueError(f"DecodePlan.{caller}: {overlap_problem(overlap)}")
         scale = scale_log2(sm_scale, self.default_sm_scale)
         if scale is None:
-            raise ValueError(f"DecodePlan.{caller}: sm_scale must be a real Python number whose product with "
-                             f"log2(e) is 0 or a normal float32 (the kernels' argument), got {sm_scale!r}")
+            raise ValueError(f"DecodePlan.{caller}: {SCALE_RULE}, got {sm_scale!r}")
         values.append(scale)
         scratch_ptr = 0
         if self.scratch_bytes:
