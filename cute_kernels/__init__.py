@@ -1,5 +1,6 @@
 """CuTe DSL kernels for DeepSeek-V4 sparse MLA decode on SM120 (and SM90 for testing).
 
 Nothing here is imported eagerly: ``cute_kernels.sparse_mla_decode.reference`` and
-``cache_format`` are plain torch and load without the CUTLASS DSL.
+the cache views, writers and readers (``cache_view``, ``cache_writers``, ``cache_readers``) are
+plain torch and load without the CUTLASS DSL.
 """

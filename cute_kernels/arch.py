@@ -25,7 +25,7 @@ BLOCK_SCALED_ARCHS = ("sm_120a", "sm_121a")
 FORBIDDEN_ON_SM120 = ("HGMMA", "QGMMA", "IGMMA", "BGMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA")
 
 # shared memory per SM as the CUDA runtime reports it: sm_120/121 100 KB, the H200 228 KB
-# (what decides how many partial CTAs an SM holds: ``dispatch.splits.resident_ctas_per_sm``)
+# (what decides how many partial CTAs an SM holds: ``dispatch.policy.occupancy.resident_ctas_per_sm``)
 SMEM_PER_SM_BY_ARCH = {"sm_120a": 102400, "sm_121a": 102400, "sm_90a": 233472}
 # the most dynamic shared memory one CTA may use on SM120 (99 KB); every kernel stays within
 # it on every arch, since what the H200 runs is the code shipped for SM120

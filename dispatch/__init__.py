@@ -7,14 +7,21 @@
   every step (allocation-free, CUDA-graph safe);
 - ``InvalidDecodeInput``: every refusal, before any GPU work;
 - ``plan_cache_info`` / ``clear_plan_cache``: what the one-shot call's plan cache holds, and dropping it;
-- ``dispatch.adapters``: FlashMLA's and FlashInfer's call shapes; ``dispatch.lse``: the lse
-  conventions; ``dispatch.loader``: AOT manifests, the JIT disk cache, no-JIT mode.
+- ``dispatch.adapters``: FlashMLA's and FlashInfer's call shapes; ``dispatch.engine_plugins``: the
+  opt-in vLLM / SGLang plugins.
+
+The modules directly in ``dispatch/`` are what users import; the machinery sits in wings, each
+importing only from those before it: ``policy`` (a call's metadata, compute path, head groups,
+split, variants and the deployment registry), ``runtime`` (a call's tensors as one record, plans,
+the plan cache, the loader of compiled kernels, the lse conventions), then the public modules,
+then ``tools`` (the console commands: AOT build and check, self-test; sample inputs, accuracy
+bounds, timing).
 """
 
-from .api import clear_plan_cache, plan_cache_info, plan_sparse_mla_decode, sparse_mla_decode, validate_call
-from .metadata import DecodeMetadata, InvalidDecodeInput
-from .selection import PlanOverrides
 from . import torch_ops  # noqa: F401  (registers torch.ops.dsv4_mla.sparse_mla_decode)
+from .api import clear_plan_cache, plan_cache_info, plan_sparse_mla_decode, sparse_mla_decode, validate_call
+from .policy.call_metadata import DecodeMetadata, InvalidDecodeInput
+from .policy.selection import PlanOverrides
 
 __all__ = ["sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata", "InvalidDecodeInput",
            "PlanOverrides", "plan_cache_info", "clear_plan_cache"]

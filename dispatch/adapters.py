@@ -11,7 +11,7 @@
   GLM-5.3's rope-free rows), the call vLLM's SM120 sparse backend makes for these models.
 
 Every adapter states its log-sum-exp convention as an explicit ``lse_convention`` argument
-(``dispatch.lse``: "natural", FlashMLA's and this library's; "log2_with_sink" and
+(``dispatch.runtime.lse``: "natural", FlashMLA's and this library's; "log2_with_sink" and
 "natural_with_sink", FlashInfer's). What an adapter does not serve is refused with an
 ``InvalidDecodeInput`` naming it, before any GPU work.
 """
@@ -22,12 +22,13 @@ import math
 
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import format_of
+from cute_kernels.sparse_mla_decode.cache_view import format_of
 from cute_kernels.sparse_mla_decode.kv_format import D_V, FORMATS, MODEL1_FP8, KvFormat
 
 from .api import one_shot_decode, sparse_mla_decode
-from .lse import LSE_CONVENTIONS, check_convention, convert_lse
-from .metadata import DecodeMetadata, InvalidDecodeInput
+from .policy.call_metadata import DecodeMetadata, InvalidDecodeInput
+from .runtime.decode_inputs import DecodeTensors
+from .runtime.lse import LSE_CONVENTIONS, check_convention, convert_lse
 
 # the engine releases whose keywords the adapters take
 FLASHINFER_CHECKED = "flashinfer-python 0.7.4"
@@ -271,11 +272,11 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     q, o, sink = query, out, sinks
     if num_valid_heads is not None:
         q, o, sink = _valid_heads(query, out, sinks, num_valid_heads, main_format)
-    result, lse = one_shot_decode(q, swa_kv_cache, sparse_indices, sm_scale=bmm1_scale, topk_length=swa_topk_lens,
-                                  attn_sink=sink, extra_kv_cache=compressed_kv_cache,
-                                  extra_indices=extra_sparse_indices, extra_topk_length=extra_sparse_topk_lens,
-                                  out=o, lse=None, lse_convention="natural", precision=None, kv_format=main_format,
-                                  keep_lse=return_lse, caller_tag=kv_layout,
+    given = DecodeTensors(q=q, kv_cache=swa_kv_cache, indices=sparse_indices, topk_length=swa_topk_lens,
+                          attn_sink=sink, out=o, extra_kv_cache=compressed_kv_cache,
+                          extra_indices=extra_sparse_indices, extra_topk_length=extra_sparse_topk_lens)
+    result, lse = one_shot_decode(given, sm_scale=bmm1_scale, lse_convention="natural", precision=None,
+                                  kv_format=main_format, keep_lse=return_lse, caller_tag=kv_layout,
                                   extra_kv_format=None if compressed_kv_cache is None else extra_format,
                                   caller_check=lambda: _check_kv_layout(query, kv_layout, main_format,
                                                                         swa_kv_cache=swa_kv_cache,
@@ -464,7 +465,7 @@ def trtllm_batch_decode_with_kv_cache_mla(
     Returns ``out [B, S, H, 512]``; with ``return_lse`` also the lse ``[B*S, H]`` (or written
     into ``lse``, ``[B*S, H]`` or ``[B, S, H]`` float32) in ``lse_convention``: by default
     the one ``return_lse_base`` names (None or "base2": "log2_with_sink", FlashInfer's
-    sparse default; "basee": "natural_with_sink"); any of ``dispatch.lse.LSE_CONVENTIONS``.
+    sparse default; "basee": "natural_with_sink"); any of ``dispatch.runtime.lse.LSE_CONVENTIONS``.
     """
     fmt = _fp32_scale_format(kv_lora_rank, qk_rope_head_dim)
 

@@ -1,7 +1,7 @@
 """Public API: ``sparse_mla_decode`` and ``plan_sparse_mla_decode``, sparse MLA decode on a
 paged FP8 cache of any format the library reads (``dispatch.kv_formats``), and the
 validation every layout goes through (``validate_call``; the one-shot call's plans are then
-reused per layout, ``dispatch.plan_cache``)."""
+reused per layout, ``dispatch.runtime.plan_cache``)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,23 @@ import math
 import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
-from cute_kernels.sparse_mla_decode.cache_format import (
+from cute_kernels.sparse_mla_decode.cache_view import (
     CacheLayoutError, CacheView, extra_format_of, format_of, read_cache_view,
 )
-from cute_kernels.sparse_mla_decode.kv_format import (
-    EXTRA_FORMATS, EXTRA_ONLY_FORMATS, KvFormat, formats_of_width, get_format,
-)
+from cute_kernels.sparse_mla_decode.config import PRECISIONS
 from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS, KvFormat, formats_of_width, get_format
 
-from .lse import LSE_CONVENTIONS, check_convention, convert_lse
-from .metadata import DecodeMetadata, InvalidDecodeInput
-from .plan import _LSE, _OUT, RUN_TENSORS, SCALE_RULE, byte_span, overlap_problem, overlapping_output, scale_log2
-from .plan_cache import CachedPlan, PlanCache, layout_key
-from .variants import PRECISIONS, check_format_precision, resolve_precision
+from .policy.call_metadata import DecodeMetadata, InvalidDecodeInput
+from .policy.precision import check_format_precision, resolve_precision
+from .runtime.decode_inputs import (
+    ATTN_SINK, LSE, OUT, SCALE_RULE, DecodeTensors, byte_span, overlap_problem, overlapping_output, scale_log2,
+)
+from .runtime.lse import LSE_CONVENTIONS, check_convention, convert_lse
+from .runtime.plan_cache import CachedPlan, PlanCache, layout_key
 
 INT32_MAX = 2**31 - 1  # the largest slot an int32 index can name
+_new_record = tuple.__new__
 # the byte alignment the kernels assume of each pointer argument (``kernel_args``)
 _ALIGN = {a.name: a.align for a in PARTIAL_ARGS if a.kind == "ptr"}
 
@@ -65,21 +67,21 @@ def _format_name(cache, kv_format) -> str | None:
 
 def _mains_of(*extra_names: str) -> list[str]:
     """The main formats a model pairs with an extra cache of one of ``extra_names``."""
-    return sorted(m for m, extras in EXTRA_FORMATS.items() if set(extra_names) & set(extras))
+    return sorted(m.name for m in FORMATS.values() if set(extra_names) & set(m.extras))
 
 
 def _extra_format_name(extra_cache, main_name: str | None, extra_kv_format) -> str | None:
     """The name of the format the extra cache is read as beside a ``main_name`` cache
-    (``cache_format.extra_format_of``), None where that cannot be told yet."""
+    (``cache_view.extra_format_of``), None where that cannot be told yet."""
     try:
         return extra_format_of(extra_cache, get_format(main_name), extra_kv_format).name
     except Exception:
         return None
 
 
-def _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
-                   attn_sink, kv_format=None, extra_kv_format=None) -> DecodeMetadata:
+def _describe_call(given: DecodeTensors, kv_format=None, extra_kv_format=None) -> DecodeMetadata:
     """Best-effort metadata (fields that cannot be read yet stay None) for error messages."""
+    q, kv_cache, indices, topk_length, attn_sink, _, _, extra_kv_cache, extra_indices, extra_topk_length = given
     lead = None
     if isinstance(q, torch.Tensor) and q.dim() >= 3:
         lead = math.prod(q.shape[:-2])
@@ -150,12 +152,12 @@ class _Checker:
         return view
 
     def extra_cache(self, cache, main: KvFormat, device: torch.device, extra_kv_format: str | None) -> CacheView:
-        """The extra cache, in ``extra_kv_format`` or the format ``cache_format.extra_format_of``
-        reads it as: only a combination a model uses (``EXTRA_FORMATS``); any other, and an
+        """The extra cache, in ``extra_kv_format`` or the format ``cache_view.extra_format_of``
+        reads it as: only a combination a model uses (``KvFormat.extras``); any other, and an
         extra cache beside a format no model pairs with one, is refused."""
-        allowed = EXTRA_FORMATS.get(main.name, ())
+        allowed = main.extras
         if not allowed:
-            served = ", ".join(f"{m} + {e}" for m, extras in EXTRA_FORMATS.items() for e in extras)
+            served = ", ".join(f"{m.name} + {e}" for m in FORMATS.values() for e in m.extras)
             self.fail(f"an extra_kv_cache is not served with {main.name} caches: no model combines a {main.name} "
                       f"main cache with an extra cache (main + extra served: {served})")
         if not isinstance(cache, torch.Tensor):
@@ -224,16 +226,7 @@ def _indices(t, name: str, lead: tuple, num_tokens: int, device, check: _Checker
 class ValidatedCall:
     """A call whose inputs passed every check, with what planning and launching need."""
 
-    q: torch.Tensor
-    kv_cache: torch.Tensor
-    indices: torch.Tensor
-    topk_length: torch.Tensor | None
-    attn_sink: torch.Tensor | None
-    extra_kv_cache: torch.Tensor | None
-    extra_indices: torch.Tensor | None
-    extra_topk_length: torch.Tensor | None
-    out: torch.Tensor
-    lse: torch.Tensor
+    tensors: DecodeTensors  # out and lse allocated where they were not given
     num_tokens: int
     num_heads: int
     topk: int
@@ -257,29 +250,41 @@ class ValidatedCall:
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                   extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
                   kv_format=None, extra_kv_format=None, for_plan=False, _target=None) -> ValidatedCall:
+    """Check every input of a ``sparse_mla_decode`` call (no GPU work); allocate ``out`` /
+    ``lse`` when not given. Raises InvalidDecodeInput. ``validate_tensors`` with the tensors
+    by name."""
+    given = DecodeTensors(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                          out=out, lse=lse, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                          extra_topk_length=extra_topk_length)
+    return validate_tensors(given, sm_scale=sm_scale, precision=precision, kv_format=kv_format,
+                            extra_kv_format=extra_kv_format, for_plan=for_plan, _target=_target)
+
+
+def validate_tensors(given: DecodeTensors, *, sm_scale=None, precision=None, kv_format=None, extra_kv_format=None,
+                     for_plan=False, _target=None) -> ValidatedCall:
     """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput.
 
     ``kv_format``: the cache format's name (``dispatch.kv_formats.FORMATS``), or None to take
     it from the cache's last dimension where only one format has that width;
-    ``extra_kv_format``: the extra cache's (None: ``cache_format.extra_format_of``). ``for_plan``: the
+    ``extra_kv_format``: the extra cache's (None: ``cache_view.extra_format_of``). ``for_plan``: the
     call is to be planned, which needs at least one token. ``_target``: a testing aid: (arch,
     SM count, shared memory per SM) to plan for, instead of those of the inputs' CUDA device,
     so that planning can be checked on CPU tensors (device index -1)."""
-    md = _describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length, extra_topk_length,
-                        attn_sink, kv_format, extra_kv_format)
+    md = _describe_call(given, kv_format, extra_kv_format)
     check = _Checker(md)
+    q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices, extra_topk_length = given
 
     # the main cache first: its format says what q, out and the extra cache must be
     if not isinstance(q, torch.Tensor):
         check.fail(f"q must be a torch.Tensor, got {type(q).__name__}")
     if kv_format is None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
         widths = formats_of_width(kv_cache.shape[-1])  # rows only an extra cache has: say so at once
-        if widths and set(widths) <= set(EXTRA_ONLY_FORMATS):
+        if widths and not any(FORMATS[w].main for w in widths):
             check.fail(f"{kv_cache.shape[-1]}-byte rows are those of {widths}, read only as an extra (compressed) "
                        f"cache: pass it as extra_kv_cache beside a main cache of {_mains_of(*widths)}")
     main = check.cache(kv_cache, "kv_cache", q.device, kv_format)
     fmt = main.fmt
-    if fmt.name in EXTRA_ONLY_FORMATS:
+    if not fmt.main:
         check.fail(f"{fmt.name} is read only as an extra (compressed) cache: pass it as extra_kv_cache beside a "
                    f"main cache of {_mains_of(fmt.name)}")
     if extra_kv_format is not None and extra_kv_cache is None:
@@ -345,8 +350,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         if any(n > 1 and st == 0 for n, st in zip(flat.shape, flat.stride())):
             check.fail(f"{name} has a stride of 0 (strides {list(flat.stride())} over its tokens and heads): many "
                        f"rows would be written to one address; give every row memory of its own")
-    tensors = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
-               extra_topk_length)  # run()'s tensor order
+    tensors = given._replace(out=out, lse=lse)
     spans = tuple(0 if t is None else byte_span(t) for t in tensors)
     overlap = overlapping_output(tuple(0 if t is None else t.data_ptr() for t in tensors), spans,
                                  tuple(i for i, n in enumerate(spans) if n))
@@ -388,9 +392,7 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
         "out_t": out3.stride(0), "out_h": out3.stride(1), "lse_t": lse2.stride(0), "lse_h": lse2.stride(1),
     }
     return ValidatedCall(
-        q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
-        extra_kv_cache=extra_kv_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
-        out=out, lse=lse, num_tokens=num_tokens, num_heads=num_heads, topk=idx.shape[-1], extra_topk=extra_topk,
+        tensors=tensors, num_tokens=num_tokens, num_heads=num_heads, topk=idx.shape[-1], extra_topk=extra_topk,
         main=main, extra=extra, strides=strides, sm_scale=float(sm_scale), device_index=device_index, arch=arch,
         num_sms=num_sms, smem_per_sm=smem_per_sm, precision=precision,
         launch_metadata=dataclasses.replace(md, has_extra_topk_length=extra_lens is not None and extra_topk > 0,
@@ -400,19 +402,18 @@ def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn
 
 
 # ---------------------------------------------------------------------- public API
-assert _LSE == _OUT + 1  # one_shot_decode replaces the two as one slice of run()'s tensor order
 # the one-shot call's validated plans, by layout key (``plan_cache``)
 ONE_SHOT_PLANS = PlanCache()
 
 
 def clear_plan_cache() -> None:
-    """Drop the one-shot call's cached plans and the buffers it keeps (``dispatch.plan_cache``);
+    """Drop the one-shot call's cached plans and the buffers it keeps (``dispatch.runtime.plan_cache``);
     the next call of each layout validates and plans again."""
     ONE_SHOT_PLANS.clear()
 
 
 def plan_cache_info() -> dict:
-    """What the one-shot call's plan cache holds (``dispatch.plan_cache``): ``entries`` (layouts)
+    """What the one-shot call's plan cache holds (``dispatch.runtime.plan_cache``): ``entries`` (layouts)
     and ``capacity``; ``buffer_bytes`` (device memory kept: ``scratch_bytes`` + ``lse_bytes``),
     ``byte_cap`` and ``buffers``."""
     return ONE_SHOT_PLANS.info()
@@ -432,9 +433,12 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
     plan is for that format) and errors as ``sparse_mla_decode``, but for T = 0 (refused: a
     plan needs at least one token).
     """
-    from .plan import DecodePlan
-    from .selection import PlanOverrides
+    from .policy.selection import PlanOverrides
+    from .runtime.plan import DecodePlan
 
+    given = DecodeTensors(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                          out=out, lse=lse, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                          extra_topk_length=extra_topk_length)
     if overrides is not None:  # the overrides' own errors before any input's or the device's
         problem = None
         if not isinstance(overrides, PlanOverrides):
@@ -446,12 +450,9 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
             except ValueError as err:
                 problem = str(err)
         if problem is not None:
-            raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
-                                                    extra_topk_length, attn_sink, kv_format, extra_kv_format), problem)
-    call = validate_call(q, kv_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
-                         extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,
-                         kv_format=kv_format, extra_kv_format=extra_kv_format, for_plan=True)
+            raise InvalidDecodeInput(_describe_call(given, kv_format, extra_kv_format), problem)
+    call = validate_tensors(given, precision=precision, kv_format=kv_format, extra_kv_format=extra_kv_format,
+                            for_plan=True)
     try:
         return DecodePlan(call, overrides)
     except ValueError as err:  # an override no kernel has
@@ -497,14 +498,14 @@ def sparse_mla_decode(
         attn_sink: optional ``[H]`` float32 sink logits.
         extra_kv_cache, extra_indices, extra_topk_length: an optional second (compressed)
             cache with its own page size and list; main and extra entries form ONE softmax.
-            Only where a model combines two caches (``kv_format.EXTRA_FORMATS``: DeepSeek-V4's
+            Only where a model combines two caches (``KvFormat.extras``: DeepSeek-V4's
             FP8 and NVFP4 records, either for either; DeepSeek-V4.1's FP8 record with its FP8
             or NVFP4 record of the same scale placement). Two formats: a partial kernel per
             cache, then the merge.
         out, lse: optional outputs, written in place.
         lse_convention: ``"natural"`` (the default, below), ``"log2_with_sink"``
             (log2(sum_j exp(s_j) + exp(sink_h)), FlashInfer's) or ``"natural_with_sink"``
-            (ln of the same sum); ``dispatch.lse``.
+            (ln of the same sum); ``dispatch.runtime.lse``.
         precision: the compute path: None (the default: ``"f16"``, the cache values exact
             in f16 registers), ``"bf16"`` (dequantized to a bf16 tile), ``"fp8"`` (e4m3 MMAs
             on the cache bytes, about 1-2% output error) or ``"mxf8"`` (``"fp8"`` with SM120's
@@ -515,7 +516,7 @@ def sparse_mla_decode(
             several formats have (528: GLM-5.3 and V4.1) is refused naming the candidates.
         extra_kv_format: the extra cache's format's name, or None: the main cache's where the
             extra cache's width is one of its views', else the one its width names, else the
-            one paired format its width fits (``cache_format.extra_format_of``).
+            one paired format its width fits (``cache_view.extra_format_of``).
 
     Returns:
         ``(out, lse)``: ``out`` bf16 ``[T, H, d_v]`` (d_v = 512 for every format), ``lse``
@@ -531,16 +532,19 @@ def sparse_mla_decode(
         InvalidDecodeInput (a ValueError): before any GPU work, for an input this function
         cannot serve; the message names the call's shape and what was expected.
     """
-    return one_shot_decode(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
-                           extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                           extra_topk_length=extra_topk_length, out=out, lse=lse, lse_convention=lse_convention,
-                           precision=precision, kv_format=kv_format, extra_kv_format=extra_kv_format)
+    # the record built from a tuple in the fields' order, without NamedTuple's argument parsing
+    # (a third of a keyword call's cost, on the one-shot hot path; the order is tested in
+    # tests/test_plan_cache.py)
+    given = _new_record(DecodeTensors, (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache,
+                                        extra_indices, extra_topk_length))
+    return one_shot_decode(given, sm_scale=sm_scale, lse_convention=lse_convention, precision=precision,
+                           kv_format=kv_format, extra_kv_format=extra_kv_format)
 
 
-def one_shot_decode(q, kv_cache, indices, *, sm_scale, topk_length, attn_sink, extra_kv_cache, extra_indices,
-                    extra_topk_length, out, lse, lse_convention, precision, kv_format, keep_lse=True,
-                    caller_tag=None, caller_check=None, extra_kv_format=None):
-    """``sparse_mla_decode`` with every argument required by name (what the adapters call).
+def one_shot_decode(given: DecodeTensors, *, sm_scale, lse_convention, precision, kv_format, extra_kv_format,
+                    keep_lse=True, caller_tag=None, caller_check=None):
+    """``sparse_mla_decode`` on a ``DecodeTensors`` record, every option required by name
+    (what the adapters call).
 
     ``keep_lse=False`` (an adapter that returns no lse, with ``lse=None``): the kernels write
     the lse into a buffer the plan cache keeps, and the lse returned must not be used.
@@ -548,64 +552,54 @@ def one_shot_decode(q, kv_cache, indices, *, sm_scale, topk_length, attn_sink, e
     raises), run only when the layout is validated, with ``caller_tag`` (what those checks
     depend on beyond the layouts, hashable) part of the layout key.
 
-    A call whose layout was validated before (``dispatch.plan_cache``) pays the layout key,
+    A call whose layout was validated before (``dispatch.runtime.plan_cache``) pays the layout key,
     one lookup, the address checks and the launches; any other is validated in full."""
-    given = (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
-             extra_topk_length)  # DecodePlan.run's tensor order
     try:
-        key = layout_key(given, kv_format, extra_kv_format, precision, caller_tag)
+        key = layout_key(given, (kv_format, extra_kv_format, precision, caller_tag))
         entry = ONE_SHOT_PLANS.get(key)
-    except (AttributeError, TypeError, RuntimeError):  # not tensors, strideless, unhashable: validate_call says
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, strideless, unhashable: validation says
         key = entry = None
     if entry is not None and lse_convention in LSE_CONVENTIONS:
         # the layout was validated before: only the addresses and the scale are new
-        new_out, new_lse = out, lse
+        out, lse, laid_out = given[OUT], given[LSE], given
         if out is None or lse is None:
-            new_out = entry.new_out() if out is None else out
-            new_lse = lse if lse is not None else entry.new_lse() if keep_lse else ONE_SHOT_PLANS.discarded_lse(entry)
-            given = given[:_OUT] + (new_out, new_lse) + given[_LSE + 1:]
+            out = entry.new_out() if out is None else out
+            lse = lse if lse is not None else entry.new_lse() if keep_lse else ONE_SHOT_PLANS.discarded_lse(entry)
+            laid_out = given[:OUT] + (out, lse) + given[LSE + 1:]  # a plain tuple in the fields' order
         plan = entry.plan
-        if plan.launch_laid_out(given, sm_scale, ONE_SHOT_PLANS.scratch(plan) if plan.scratch_bytes else None):
+        if plan.launch_laid_out(laid_out, sm_scale, ONE_SHOT_PLANS.scratch(plan) if plan.scratch_bytes else None):
             if lse_convention != "natural":
-                new_lse.copy_(convert_lse(new_lse, attn_sink, lse_convention))
-            return new_out, new_lse
+                lse.copy_(convert_lse(lse, given[ATTN_SINK], lse_convention))
+            return out, lse
     if caller_check is not None:
         caller_check()
-    return _validated_one_shot(key, entry, q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length,
-                               attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                               extra_topk_length=extra_topk_length, out=out, lse=lse, lse_convention=lse_convention,
+    return _validated_one_shot(key, entry, given, sm_scale=sm_scale, lse_convention=lse_convention,
                                precision=precision, kv_format=kv_format, extra_kv_format=extra_kv_format)
 
 
-def _validated_one_shot(key, entry, q, kv_cache, indices, *, sm_scale, topk_length, attn_sink, extra_kv_cache,
-                        extra_indices, extra_topk_length, out, lse, lse_convention, precision, kv_format,
+def _validated_one_shot(key, entry, given: DecodeTensors, *, sm_scale, lse_convention, precision, kv_format,
                         extra_kv_format):
     """A one-shot call validated in full: its layout is not in the plan cache (``entry`` None),
     or the cached plan declined its addresses or scale (which this refuses). Plans and caches
     the plan under ``key`` (None: not cacheable), then launches."""
-    from .plan import DecodePlan
+    from .runtime.plan import DecodePlan
 
     try:
         check_convention(lse_convention)
     except ValueError as err:
-        raise InvalidDecodeInput(_describe_call(q, kv_cache, indices, extra_kv_cache, extra_indices, topk_length,
-                                                extra_topk_length, attn_sink, kv_format, extra_kv_format),
-                                str(err)) from None
-    call = validate_call(q, kv_cache, indices, sm_scale=sm_scale, topk_length=topk_length, attn_sink=attn_sink,
-                         extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                         extra_topk_length=extra_topk_length, out=out, lse=lse, precision=precision,
-                         kv_format=kv_format, extra_kv_format=extra_kv_format)
+        raise InvalidDecodeInput(_describe_call(given, kv_format, extra_kv_format), str(err)) from None
+    call = validate_tensors(given, sm_scale=sm_scale, precision=precision, kv_format=kv_format,
+                            extra_kv_format=extra_kv_format)
+    out, lse = call.tensors.out, call.tensors.lse
     if call.num_tokens == 0:
-        return call.out, call.lse
+        return out, lse
     if entry is None:
-        entry = CachedPlan(DecodePlan(call), call.out, call.lse)
+        entry = CachedPlan(DecodePlan(call), out, lse)
         if key is not None:
             entry = ONE_SHOT_PLANS.put(key, entry)
-    given = tuple(getattr(call, name) for name, _ in RUN_TENSORS)
     scratch = ONE_SHOT_PLANS.scratch(entry.plan)
-    if not entry.plan.launch_laid_out(given, call.sm_scale, scratch):
+    if not entry.plan.launch_laid_out(call.tensors, call.sm_scale, scratch):
         raise RuntimeError("internal error: a validated call failed the plan's address checks; please report it")
-    out, lse = call.out, call.lse
     if lse_convention != "natural":
-        lse.copy_(convert_lse(lse, attn_sink, lse_convention))
+        lse.copy_(convert_lse(lse, given.attn_sink, lse_convention))
     return out, lse

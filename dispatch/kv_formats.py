@@ -17,16 +17,15 @@ kv_format=NAME)`` reads a cache of that format:
 
 ``pack`` quantizes a latent into a cache view the API accepts, as a named serving engine's
 writer does (``writers``); ``unpack`` dequantizes a cache back. Both are plain torch and run
-on CPU or GPU tensors: thin, validating layers over ``cute_kernels.sparse_mla_decode.cache_format``.
+on CPU or GPU tensors: thin, validating layers over ``cute_kernels.sparse_mla_decode.cache_writers`` / ``cache_readers``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import (
-    WRITERS, check_non_finite, pack_latent, unpack_cache,
-)
+from cute_kernels.sparse_mla_decode.cache_readers import unpack_cache
+from cute_kernels.sparse_mla_decode.cache_writers import WRITERS, check_non_finite, pack_latent
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
 
 __all__ = ["FORMATS", "DEFAULT_FORMAT", "EXTRA_FORMATS", "KvFormat", "get_format", "writers", "pack", "unpack"]
@@ -58,11 +57,11 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
     ``writer``: whose scale recipe (``writers(kv_format)``; default the first).
     ``block_stride`` (bytes, a multiple of 16), ``row_stride`` (inline-scale formats: bytes
     between a block's rows, a multiple of 16 and at least the row) and ``fill`` (the bytes
-    that hold no data: an int in [0, 255]) as ``cache_format.pack_latent``; ``row_stride`` is
+    that hold no data: an int in [0, 255]) as ``cache_writers.pack_latent``; ``row_stride`` is
     refused for a footer format (its rows are packed).
     NaN or Inf in the nope dims: encoded as the writer does where it defines it (FlashInfer's
-    V4.1 writers: ``cache_format.NON_FINITE_RECIPES``), refused naming the element and its
-    scale group otherwise (``cache_format.check_non_finite``); the rope dims are stored as
+    V4.1 writers: ``cache_writers.NON_FINITE_RECIPES``), refused naming the element and its
+    scale group otherwise (``cache_writers.check_non_finite``); the rope dims are stored as
     they are (bf16).
     Raises ValueError naming what is wrong."""
     fmt = get_format(kv_format)

@@ -10,13 +10,13 @@ and with it the grid (``grid_for``): a format with an extra cache (DeepSeek-V4's
 runs T {1, 8, 64, 256} x H {16, 64, 128} x topk {128, 512, 1024, 128 + 512 extra}, the
 shapes FlashMLA was measured on (FlashMLA's times: MODEL1 caches only); a format without an
 extra cache runs T {1, 8, 64, 256} x H {16, 64, 128} x the top-k its models use in the
-deployment registry (``dispatch.registry``: 2048 for v32_fp8, 2176 for glm_nope_fp8).
+deployment registry (``dispatch.policy.registry``: 2048 for v32_fp8, 2176 for glm_nope_fp8).
 
 ``--vs-kv-format NAME`` also times every shape on caches of format NAME (same slots, same q,
 the first precision) and adds the columns "us NAME" and "x NAME" (NAME's time / this one's):
 two formats in the same run, for example ``--kv-format model1_nvfp4 --vs-kv-format
 model1_fp8``. ``--extra-kv-format NAME`` reads the extra cache in NAME (a format the main
-one pairs with: ``kv_format.EXTRA_FORMATS``), for example ``--kv-format v41_fp8
+one pairs with: ``KvFormat.extras``), for example ``--kv-format v41_fp8
 --extra-kv-format v41_nvfp4 --vs-kv-format v41_fp8``. ``--long-context`` adds the 1M-context decode shape of DeepSeek-V4, T=8, H=64,
 main 128 + extra 8192 from a cache of 2-token pages ("128+8192@2"; C128 compression of a
 million tokens), to a grid with an extra list.
@@ -33,7 +33,7 @@ sm_scale = the format's d_qk**-0.5. Single-cache shapes gather uniform random sl
 and extra = 512 random slots of a second cache ("128+8192@2": 8192 of a cache of the same
 262,144 tokens in 2-token pages). Each call is captured in one CUDA graph and
 replayed; time = median of ``triton.testing.do_bench`` (which clears L2 before every call;
-``dispatch.timing``, shared with ``dsv4-mla-selftest``).
+``dispatch.tools.timing``, shared with ``dsv4-mla-selftest``).
 GB/s counts T x (topk x the main format's + extra_topk x the extra format's bytes per token:
 584, 384, 528, 288, 656). The copy
 ceiling is measured in the same run (a 4 GiB device-to-device copy, bytes read + written).
@@ -59,16 +59,14 @@ from pathlib import Path
 
 import torch
 
-
-from cute_kernels.sparse_mla_decode.config import precisions_of
 from cute_kernels.sparse_mla_decode.kv_format import (
-    DEFAULT_FORMAT, EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, KvFormat, get_format,
+    DEFAULT_FORMAT, FORMATS, KvFormat, get_format,
 )
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides
-from dispatch.registry import DEPLOYMENT_SHAPES
-from dispatch.testing import make_cache
-from dispatch.timing import graph_time_us, plan_runner
+from dispatch.policy.registry import DEPLOYMENT_SHAPES
+from dispatch.tools.sample_inputs import make_cache
+from dispatch.tools.timing import graph_time_us, plan_runner
 
 NUM_BLOCKS, PAGE = 4096, 64
 # FlashMLA SM90 times (us) on an H200 by this method: (T, H, shape) -> us; the source of the
@@ -119,7 +117,7 @@ def grid_for(kv_format: str) -> list[tuple[int, int, str]]:
     """The bench grid of a format: a format with an extra cache (DeepSeek-V4's and V4.1's) runs
     ``GRID`` (FlashMLA's times are for MODEL1's); a format without one runs the same tokens and
     heads at each top-k its models use in the deployment registry (one source for both)."""
-    if kv_format in EXTRA_FORMATS:
+    if get_format(kv_format).extras:
         return GRID
     topks = sorted({s.topk for s in DEPLOYMENT_SHAPES if s.kv_format == kv_format and not s.extra_topk})
     return [(T, H, str(k)) for T in (1, 8, 64, 256) for H in (16, 64, 128) for k in topks]
@@ -199,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-format", default=DEFAULT_FORMAT, choices=sorted(FORMATS),
                     help="the caches' format, and with it the grid (default: %(default)s)")
     ap.add_argument("--extra-kv-format", choices=sorted(FORMATS),
-                    help="the extra cache's format (default: the main cache's; EXTRA_FORMATS lists the pairs)")
+                    help="the extra cache's format (default: the main cache's; KvFormat.extras lists the pairs)")
     ap.add_argument("--vs-kv-format", choices=sorted(FORMATS),
                     help="also time every shape on caches of this format, for both caches (same slots and q), "
                          "and compare")
@@ -230,19 +228,19 @@ def main(argv=None) -> int:
         ap.error(f"--vs-kv-format {vs.name}: not the same grid and query width as {fmt.name}")
     for f in [fmt] + ([vs] if vs is not None else []):
         for p in precisions if f is fmt else precisions[:1]:
-            if p != "default" and p not in precisions_of(f):
-                ap.error(f"--precision {p} does not read {f.name} caches (one of {precisions_of(f)})")
-    if fmt.name in EXTRA_ONLY_FORMATS:
+            if p != "default" and p not in f.paths:
+                ap.error(f"--precision {p} does not read {f.name} caches (one of {f.paths})")
+    if not fmt.main:
         ap.error(f"--kv-format {fmt.name} is read only as an extra cache: pass it as --extra-kv-format")
     extra_fmt = args.extra_kv_format
-    if extra_fmt is not None and extra_fmt not in EXTRA_FORMATS.get(fmt.name, ()):
-        ap.error(f"--extra-kv-format {extra_fmt}: a {fmt.name} main cache pairs with {EXTRA_FORMATS.get(fmt.name, ())}")
+    if extra_fmt is not None and extra_fmt not in fmt.extras:
+        ap.error(f"--extra-kv-format {extra_fmt}: a {fmt.name} main cache pairs with {fmt.extras}")
     if extra_fmt is not None:
         for p in precisions:
-            if p != "default" and p not in precisions_of(get_format(extra_fmt)):
-                ap.error(f"--precision {p} does not read {extra_fmt} caches (one of {precisions_of(get_format(extra_fmt))})")
+            if p != "default" and p not in get_format(extra_fmt).paths:
+                ap.error(f"--precision {p} does not read {extra_fmt} caches (one of {get_format(extra_fmt).paths})")
     if args.long_context:
-        if fmt.name not in EXTRA_FORMATS:
+        if not fmt.extras:
             ap.error(f"--long-context: {fmt.name} has no extra cache")
         full_grid = full_grid + [LONG_CONTEXT]
     # the MMA ceilings build CuTe DSL kernels: imported by a run only, so that the grid and the
@@ -267,14 +265,15 @@ def main(argv=None) -> int:
     for n, (T, H, shape) in enumerate(grid):
         q, idx, e_idx, _ = inputs(T, H, shape, gen, fmt.name)
         cache, kw = call_inputs(shape, caches, fmt.name, e_idx, extra_fmt)
-        times = {p: graph_time_us(plan_runner(q, cache, idx, kw, None if p == "default" else p, overrides, fmt.name,
-                                              extra_fmt))
+        times = {p: graph_time_us(plan_runner(q, cache, idx, kw=kw, precision=None if p == "default" else p,
+                                              overrides=overrides, kv_format=fmt.name, extra_kv_format=extra_fmt))
                  for p in precisions}
         vs_us = None
         if vs is not None:
             vs_cache, vs_kw = call_inputs(shape, caches, vs.name, e_idx)
             first = None if precisions[0] == "default" else precisions[0]
-            vs_us = graph_time_us(plan_runner(q, vs_cache, idx, vs_kw, first, overrides, vs.name))
+            vs_us = graph_time_us(plan_runner(q, vs_cache, idx, kw=vs_kw, precision=first, overrides=overrides,
+                                              kv_format=vs.name))
         us = times[precisions[0]]
         ref_us = (math.nan if args.quick or args.no_torch
                   else graph_time_us(lambda: reference_decode(q, cache, idx, dtype=torch.float32, kv_format=fmt.name,
@@ -282,7 +281,8 @@ def main(argv=None) -> int:
         topk, extra_topk = list_lengths(shape)
         extra_bpt = get_format(extra_fmt).bytes_per_token if extra_fmt else fmt.bytes_per_token
         gbs = T * (topk * fmt.bytes_per_token + extra_topk * extra_bpt) / (us * 1e-6) / 1e9
-        fm = FLASHMLA_US.get((T, H, shape)) if fmt.name == DEFAULT_FORMAT and extra_fmt in (None, DEFAULT_FORMAT) else None
+        fm = FLASHMLA_US.get((T, H, shape)) if fmt.name == DEFAULT_FORMAT and extra_fmt in (None,
+                                                                                            DEFAULT_FORMAT) else None
         tflops = tensor_flops(T, H, shape, fmt) / (us * 1e-6) / 1e12
         row = dict(kv_format=fmt.name, extra_kv_format=extra_fmt, T=T, H=H, topk=shape, us=us, gbs=gbs, frac_copy=gbs / ceiling, tflops=tflops,
                    frac_mma=tflops / mma_tflops, torch_us=ref_us,

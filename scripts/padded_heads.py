@@ -20,7 +20,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch.adapters import trtllm_batch_decode_sparse_mla_dsv4
-from dispatch.testing import make_cache, make_indices
+from dispatch.tools.sample_inputs import make_cache, make_indices
 from scripts.bench import graph_time_us
 
 FORMAT = get_format(DEFAULT_FORMAT)

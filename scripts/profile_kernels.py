@@ -18,7 +18,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch import sparse_mla_decode
-from dispatch.testing import make_cache
+from dispatch.tools.sample_inputs import make_cache
 
 
 def main(argv=None) -> int:

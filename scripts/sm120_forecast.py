@@ -13,7 +13,7 @@ measurement. The model, per shape of scripts.bench's grid:
   main loop's warp-instructions per chunk and CTA: instructions per thread and chunk in the
   sm_120a SASS of the shipped kernel times the warps running that loop); at ISSUE_RATE warp-instructions per scheduler and cycle, 4
   schedulers per SM, the device's boost clock. The split and the head groups are the ones
-  the dispatch picks for that device (dispatch/splits.py, dispatch/variants.py).
+  the dispatch picks for that device (dispatch/policy/splits.py, dispatch/policy/variant_space.py).
 - tensor_us: the main loops' MMAs at SM120's tensor rates. Per SM (CTAs per SM) x (chunks
   per CTA) x the FLOPs of one chunk's MMAs (counted in the same SASS, each opcode's m n k:
   HMMA.16816 2 x 16 x 8 x 16, QMMA.16832 twice that), each kind at its rate per SM and cycle:
@@ -57,11 +57,12 @@ from pathlib import Path
 
 from cute_kernels.sparse_mla_decode.config import PRECISIONS, PartialConfig
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
-from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
-from dispatch.splits import ctas_per_split, plan_splits
+from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
+from dispatch.policy.occupancy import ctas_per_split
+from dispatch.policy.splits import plan_splits
 from scripts.bench import GRID, list_lengths
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
-from dispatch.variants import partial_shape_config
+from dispatch.policy.head_groups import partial_shape_config
 
 FORMAT = get_format(DEFAULT_FORMAT)  # the model is of the MODEL1 kernels (its grid: scripts.bench.GRID)
 ISSUE_RATE = 0.26  # warp-instructions per scheduler per cycle: ncu, H200, T=64 H=64 topk=512
@@ -119,8 +120,8 @@ def loop_work(precision: str) -> dict:
     about 40 of each warp's instructions, an overestimate of about 6%."""
     os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="dsv4_mla_forecast_"))
     from cute_kernels.sass_check import disassemble, mma_loops
-    from dispatch.loader import compile_variant
-    from dispatch.variants import KernelVariant
+    from dispatch.policy.variant_space import KernelVariant
+    from dispatch.runtime.loader import compile_variant
 
     out = {}
     for groups in (1, 2):

@@ -1,4 +1,4 @@
-"""Time bench shapes with the split count forced, to tune ``dispatch/splits.py`` by measurement.
+"""Time bench shapes with the split count forced, to tune ``dispatch/policy/splits.py`` by measurement.
 
     python -m scripts.split_sweep [--head-groups G] [--precision P] [--plan-only] [SHAPE ...]
     # SHAPE = TxHxTOPK[+EXTRA]; default: T=1, 8
@@ -9,7 +9,7 @@ times only the split count the dispatch picks (to compare head-group counts each
 own plan).
 
 For every shape: the split the dispatch picks for the call on this GPU
-(``dispatch.selection.select_kernels``, with the head groups ``--head-groups`` forces), then
+(``dispatch.policy.selection.select_kernels``, with the head groups ``--head-groups`` forces), then
 the planned call timed (bench's method: CUDA-graph replay, ``do_bench`` median with its L2
 clear) with the split count forced to each candidate (every count that equal chunk ranges
 give, ``split_candidates``, up to ``MAX_SPLITS``) by ``dispatch.PlanOverrides``; the kernels
@@ -24,8 +24,8 @@ import torch
 
 
 from dispatch import PlanOverrides, validate_call
-from dispatch.selection import select_kernels
-from dispatch.splits import MAX_SPLITS
+from dispatch.policy.selection import select_kernels
+from dispatch.policy.splits import MAX_SPLITS
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
 from scripts.bench import Caches, call_inputs, graph_time_us, inputs, plan_runner
 
@@ -59,14 +59,14 @@ def main(argv=None) -> int:
         q, idx, e_idx, _ = inputs(T, H, shape, gen)
         cache, kw = call_inputs(shape, caches, DEFAULT_FORMAT, e_idx)
         call = validate_call(q, cache, idx, precision=precision, **kw)
-        selection = select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision,
-                                   PlanOverrides(head_groups=groups))
+        selection = select_kernels(call.launch_metadata, call.arch, num_sms=call.num_sms, smem_per_sm=call.smem_per_sm,
+                                   precision=call.precision, overrides=PlanOverrides(head_groups=groups))
         chosen = selection.split
         candidates = {chosen.num_splits} if plan_only else split_candidates(chosen.num_chunks) | {chosen.num_splits}
         times = {}
         for s in sorted(candidates):
-            times[s] = graph_time_us(plan_runner(q, cache, idx, kw, precision,
-                                                 PlanOverrides(head_groups=groups, num_splits=s)))
+            times[s] = graph_time_us(plan_runner(q, cache, idx, kw=kw, precision=precision,
+                                                 overrides=PlanOverrides(head_groups=groups, num_splits=s)))
         best = min(times, key=times.get)
         cells = " ".join(f"{s}:{us:.1f}{'*' if s == best else ''}" for s, us in times.items())
         label = f"{spec} g{selection.head_groups}"

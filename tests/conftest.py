@@ -31,8 +31,8 @@ def deployment_build():
     here, incrementally, only where it is missing or stale, so that a test run after the main
     job compiles nothing. Returns (directory, the manifest entries of the deployment archs:
     another arch's build in the same directory is not what ships)."""
-    from dispatch.aot_build import DEFAULT_OUT, build
-    from dispatch.loader import read_manifest
+    from dispatch.runtime.loader import read_manifest
+    from dispatch.tools.aot_build import DEFAULT_OUT, build
 
     out = ROOT / DEFAULT_OUT
     failures = build(list(DEPLOYMENT_ARCHS), out, jobs=os.cpu_count() or 1)
@@ -45,7 +45,7 @@ def deployment_build():
 def isolated_loader(monkeypatch, tmp_path):
     """The loader as a fresh process finds it, with no package build and a private JIT cache:
     what a test of where kernels come from starts from, and leaves behind."""
-    from dispatch import loader
+    from dispatch.runtime import loader
 
     monkeypatch.setattr(loader, "PACKAGE_AOT_DIR", tmp_path / "no_package_aot")
     monkeypatch.setenv("DSV4_MLA_CACHE_DIR", str(tmp_path / "jit"))

@@ -5,10 +5,10 @@ their kernels stubbed."""
 import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8, V41_FP8, V41_NVFP4
-from dispatch.metadata import DecodeMetadata
-from dispatch.plan import DecodePlan
-from dispatch.registry import SM120_SMEM_PER_SM
-from dispatch.testing import make_cache, make_indices
+from dispatch.policy.call_metadata import DecodeMetadata
+from dispatch.policy.registry import SM120_SMEM_PER_SM
+from dispatch.runtime.plan import DecodePlan
+from dispatch.tools.sample_inputs import make_cache, make_indices
 
 
 MODEL1 = MODEL1_FP8.name
@@ -48,7 +48,7 @@ _STRIDED_ROWS = torch.zeros(2, 4, dtype=torch.int32)[:, :2]
 
 def _stub_kernels(monkeypatch):
     """Plans whose kernels are stubbed: their checks run, nothing is compiled or launched."""
-    from dispatch import loader
+    from dispatch.runtime import loader
 
     monkeypatch.setattr(loader, "get_compiled", lambda variant: None)
     monkeypatch.setattr(DecodePlan, "_make_kernels", lambda self, values: [])

@@ -11,8 +11,8 @@ from dispatch.adapters import (
     DSV4_KV_CACHE_FORMATS, flash_mla_with_kvcache, flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4,
     trtllm_batch_decode_with_kv_cache_mla,
 )
-from dispatch.metadata import GENERIC_MODEL_TYPE
-from dispatch.testing import make_cache
+from dispatch.policy.call_metadata import GENERIC_MODEL_TYPE
+from dispatch.tools.sample_inputs import make_cache
 from tests.dispatch_inputs import GLM_CACHE, GLM_POOL_CACHE, NVFP4_CACHE, V32_CACHE, V41_CACHE, V41_NVFP4_CACHE, _inputs
 
 
@@ -110,7 +110,8 @@ def _vllm_dsv4_call(**overrides):
     T, H = 3, 8
     cache = make_cache(4, 64, device="cpu", gen=torch.Generator().manual_seed(5))
     kw = dict(query=torch.randn(T, H, 512).to(torch.bfloat16), swa_kv_cache=cache,
-              workspace_buffer=torch.empty(16, dtype=torch.uint8), sparse_indices=torch.zeros(T, 128, dtype=torch.int32),
+              workspace_buffer=torch.empty(16, dtype=torch.uint8), sparse_indices=torch.zeros(T, 128,
+                                                                                              dtype=torch.int32),
               compressed_kv_cache=cache, out=torch.empty(T, H, 512, dtype=torch.bfloat16), bmm1_scale=0.05,
               sinks=torch.zeros(H), kv_layout="NHD", swa_topk_lens=torch.full((T,), 7, dtype=torch.int32),
               extra_sparse_indices=torch.zeros(T, 1, 8192, dtype=torch.int32),

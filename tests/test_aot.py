@@ -13,10 +13,11 @@ import pytest
 from cute_kernels.arch import SMEM_PER_CTA_MAX
 from cute_kernels.sparse_mla_decode.config import PRECISIONS
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS
-from dispatch import aot_build, loader
-from dispatch.fingerprint import FIELDS, PROJECT_VERSION
-from dispatch.registry import DEPLOYMENT_SHAPES, registry_variants
-from dispatch.variants import variant_space
+from dispatch.policy.registry import DEPLOYMENT_SHAPES, registry_variants
+from dispatch.policy.variant_space import variant_space
+from dispatch.runtime import loader
+from dispatch.runtime.fingerprint import FIELDS, PROJECT_VERSION
+from dispatch.tools import aot_build
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = "merge_t128_b8|model1_fp8_f16_g1x16.*len11_final1_sink1"  # two merge variants (batch 8) and one partial variant
@@ -208,8 +209,8 @@ def test_no_jit_switch_refuses_a_missing_variant(tmp_path):
 _WORKER = textwrap.dedent("""
     import json
     from pathlib import Path
-    from dispatch import loader
-    from dispatch.registry import registry_variants
+    from dispatch.policy.registry import registry_variants
+    from dispatch.runtime import loader
     loader.PACKAGE_AOT_DIR = Path({none!r})
     (v,) = [v for v in registry_variants("sm_121a") if "merge_t128_b8_sink1" in v.name]
     loader.get_compiled(v)
@@ -279,7 +280,7 @@ def test_no_jit_switch_names_the_stale_entries_it_skipped(built, tmp_path, caplo
 
 # ---------------------------------------------------------------------- what a build keeps and ships
 def _fake_entry(out, variant, fp=None):
-    from dispatch.fingerprint import fingerprint
+    from dispatch.runtime.fingerprint import fingerprint
 
     obj = out / f"{variant.name}.o"
     obj.write_bytes(variant.name.encode())
@@ -289,7 +290,7 @@ def _fake_entry(out, variant, fp=None):
 
 def test_build_drops_the_entries_its_archs_no_longer_plan(tmp_path, monkeypatch):
     import cute_kernels.sass_check as sass_check
-    from dispatch.variants import KernelVariant
+    from dispatch.policy.variant_space import KernelVariant
     from cute_kernels.sparse_mla_decode.config import MergeConfig
 
     monkeypatch.setattr(sass_check, "require_sass_tools", lambda: None)
@@ -305,8 +306,8 @@ def test_build_drops_the_entries_its_archs_no_longer_plan(tmp_path, monkeypatch)
 
 
 def test_the_wheel_ships_only_up_to_date_entries_of_the_planned_variants(tmp_path):
-    from dispatch.fingerprint import fingerprint
-    from dispatch.variants import KernelVariant
+    from dispatch.policy.variant_space import KernelVariant
+    from dispatch.runtime.fingerprint import fingerprint
     from cute_kernels.sparse_mla_decode.config import MergeConfig
 
     good, stale = aot_build.planned_variants(["sm_120a"], "merge_t128_b8_sink")
@@ -351,7 +352,7 @@ def test_build_leaves_no_cubin_dump_behind(tmp_path, monkeypatch):
 def test_project_version_falls_back_to_the_installed_metadata(monkeypatch, tmp_path):
     from importlib import metadata
 
-    from dispatch import fingerprint as fp
+    from dispatch.runtime import fingerprint as fp
 
     monkeypatch.setattr(fp, "_ROOT", tmp_path)  # no pyproject.toml: an installed wheel
     monkeypatch.setattr(metadata, "version", lambda dist: {fp.DISTRIBUTION: "9.8.7"}[dist])
@@ -363,8 +364,8 @@ def test_check_aot_spot_check_fails_an_error_above_twice_the_floor():
     import torch
 
     from cute_kernels.sparse_mla_decode.reference import reference_decode
-    from dispatch.check_aot import spot_check
-    from dispatch.testing import make_cache, make_indices
+    from dispatch.tools.check_aot import spot_check
+    from dispatch.tools.sample_inputs import make_cache, make_indices
 
     gen = torch.Generator().manual_seed(0)
     cache = make_cache(8, 64, device="cpu", gen=gen)
@@ -374,9 +375,9 @@ def test_check_aot_spot_check_fails_an_error_above_twice_the_floor():
     ref, _ = reference_decode(q, cache, idx, **kw)
     rounded = ref.to(torch.bfloat16)  # exactly the floor: half the bound
     for precision in ("f16", "fp8"):
-        ratio, bad = spot_check(precision, q, cache, idx, kw, rounded)
+        ratio, bad = spot_check(precision, q, cache=cache, idx=idx, kw=kw, out=rounded)
         assert bad == [] and ratio <= 0.5 + 1e-9, (precision, ratio)
     wrong = rounded.clone()
     wrong[5] *= 1.01  # a token 1% off (one of the 16 checked)
-    ratio, bad = spot_check("f16", q, cache, idx, kw, wrong)
+    ratio, bad = spot_check("f16", q, cache=cache, idx=idx, kw=kw, out=wrong)
     assert bad == [5] and ratio > 1

@@ -1,7 +1,7 @@
 """The cache formats' helpers (CPU): every format's packer against bytes computed here from the
 byte-level specification (pure Python: struct and exact e4m3 rounding, none of the packer's
 helpers), round trips, the views ``read_cache_view`` accepts and refuses, and the test inputs
-``dispatch.testing`` makes."""
+``dispatch.tools.sample_inputs`` makes."""
 
 import math
 import re
@@ -12,14 +12,16 @@ from fractions import Fraction
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import (
-    WRITERS, CacheLayoutError, decode_scales, default_block_stride, e2m1_decode, e2m1_encode, extra_format_of,
-    format_of,
-    gather_slot_parts, gather_slots, pack_latent, page_division_magic, quantize_latent, read_cache_view,
-    unpack_cache, writer_encodes_non_finite,
+from cute_kernels.sparse_mla_decode.cache_readers import decode_scales, gather_slot_parts, gather_slots, unpack_cache
+from cute_kernels.sparse_mla_decode.cache_view import (
+    CacheLayoutError, default_block_stride, extra_format_of, format_of, page_division_magic, read_cache_view,
 )
+from cute_kernels.sparse_mla_decode.cache_writers import (
+    WRITERS, pack_latent, quantize_latent, writer_encodes_non_finite,
+)
+from cute_kernels.sparse_mla_decode.e2m1 import e2m1_decode, e2m1_encode
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, get_format
-from dispatch.testing import make_cache, view_width
+from dispatch.tools.sample_inputs import make_cache, view_width
 from tests.fp_spec import e4m3_value, f32
 from tests.tolerances import seed_for
 
@@ -529,7 +531,8 @@ def test_packers_refuse_nan_and_inf_where_the_writer_has_no_encoding(kv_format, 
         latent[1, 2, dim] = 0.0
         latent[1, 2, fmt.nope_dims + 1] = value
         back = unpack_cache(pack_latent(latent, kv_format, writer=writer), kv_format)
-        assert torch.isnan(back[1, 2, fmt.nope_dims + 1]) if math.isnan(value) else back[1, 2, fmt.nope_dims + 1] == value
+        assert torch.isnan(back[1, 2, fmt.nope_dims + 1]) if math.isnan(value) else back[1, 2,
+                                                                                         fmt.nope_dims + 1] == value
         assert torch.isfinite(back[1, 2, :fmt.nope_dims]).all()
 
 
@@ -751,7 +754,8 @@ def _strided(size, shape, stride, offset=0, dtype=torch.uint8):
     ("v32_fp8", lambda: torch.zeros(4, 1000, dtype=torch.uint8), "[num_blocks, P*656]"),
     ("glm_nope_fp8", lambda: torch.zeros(4, 8 * 656, dtype=torch.uint8), "[num_blocks, P*528]"),
     # row strides: not a multiple of 16, narrower than the row
-    ("v32_fp8", lambda: _strided(4 * 8 * 664, (4, 8, 1, 656), (8 * 664, 664, 664, 1)), "row stride 664 must be a multiple of 16"),
+    ("v32_fp8", lambda: _strided(4 * 8 * 664, (4, 8, 1, 656), (8 * 664, 664, 664, 1)),
+     "row stride 664 must be a multiple of 16"),
     ("glm_nope_fp8", lambda: _strided(4 * 8 * 656, (4, 8, 1, 656), (8 * 512, 512, 512, 1)), "at least the 528 bytes"),
     ("glm_nope_fp8", lambda: _strided(4 * 8 * 656, (4, 1, 8, 528), (8 * 528, 528, 520, 1)), "multiple of 16"),
     # block strides: not a multiple of 16, smaller than a block
@@ -779,7 +783,7 @@ def test_bad_views_are_refused(kv_format, make, message):
         read_cache_view(make(), kv_format)
 
 
-# ---------------------------------------------------------------------- the test inputs (dispatch.testing)
+# ---------------------------------------------------------------------- the test inputs (dispatch.tools.sample_inputs)
 @pytest.mark.parametrize("kv_format,row_stride,layout", [
     ("v32_fp8", 672, "nhd"), ("v32_fp8", None, "flat"), ("glm_nope_fp8", 656, "hnd"), ("glm_nope_fp8", 528, "fp8"),
     ("model1_fp8", None, "nhd"), ("model1_nvfp4", None, "nhd"), ("model1_nvfp4", None, "flat"),
@@ -876,7 +880,7 @@ def test_make_cache_scale_spread(kv_format, writer):
 
 @pytest.mark.parametrize("kv_format", sorted(FORMATS))
 def test_make_cache_tiny(kv_format):
-    """``tiny``: the bottom of the format's scales and the rope 0 (module doc of dispatch.testing)."""
+    """``tiny``: the bottom of the format's scales and the rope 0 (module doc of dispatch.tools.sample_inputs)."""
     fmt = get_format(kv_format)
     cache = make_cache(4, 32, device="cpu", kv_format=kv_format, tiny=True, gen=torch.Generator().manual_seed(9))
     view = read_cache_view(cache, kv_format)

@@ -17,14 +17,13 @@ import pytest
 import torch
 
 from cute_kernels.arch import arch_for_capability
-from cute_kernels.sparse_mla_decode.cache_format import read_cache_view
-from cute_kernels.sparse_mla_decode.config import precisions_of
+from cute_kernels.sparse_mla_decode.cache_view import read_cache_view
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode, validate_call
-from dispatch.selection import select_kernels
-from dispatch.splits import two_bounded_f16_ctas_fit
-from dispatch.testing import make_cache, make_indices
+from dispatch.policy.selection import select_kernels
+from dispatch.policy.occupancy import two_bounded_f16_ctas_fit
+from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.inputs import lengths_of, sink_of
 from tests.tolerances import ACCURACY, check_against_reference, rounding_floor, seed_for
 
@@ -223,7 +222,7 @@ def build_inputs(case: Case, device, seed: int):
 def check_case(case, precision, seed, outs, q, cache, idx, kw, what: str):
     """The first of ``outs`` against the reference; records the case's accuracy."""
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    floor = rounding_floor(precision, q, cache, idx, kw, ref_out)
+    floor = rounding_floor(precision, q, cache=cache, idx=idx, kw=kw, ref_out=ref_out)
     rel, lse_err, ratio = check_against_reference(outs[0][0], outs[0][1], ref_out, ref_lse, floor=floor, seed=seed,
                                                   what=f"{what} {case}")
     ACCURACY.append((f"{what} {case}", rel, lse_err, ratio))
@@ -254,7 +253,7 @@ DECODE_CASES = ([pytest.param(c, p, id=f"{p}-{c}", marks=[pytest.mark.block_scal
                 + [pytest.param(c, "f16", id=f"f16-{c}") for c in NVFP4_CASES + V41_CASES + MIXED_CASES]
                 # the "bf16" path reads the V4.1 FP8 records too (not the NVFP4 ones)
                 + [pytest.param(c, "bf16", id=f"bf16-{c}") for c in V41_CASES
-                   if "bf16" in precisions_of(get_format(c.extra_kv_format or c.kv_format))])
+                   if "bf16" in get_format(c.extra_kv_format or c.kv_format).paths])
 
 
 @pytest.mark.parametrize("case,precision", DECODE_CASES)
@@ -269,8 +268,8 @@ def test_decode_matches_reference(case: Case, precision: str):
 
     outs = run_twice(case, q, idx, call, seed)
     validated = validate_call(q, cache, idx, precision=precision, **kw)  # the dispatch's choice, for the label
-    chosen = select_kernels(validated.launch_metadata, validated.arch, validated.num_sms, validated.smem_per_sm,
-                            validated.precision)
+    chosen = select_kernels(validated.launch_metadata, validated.arch, num_sms=validated.num_sms,
+                            smem_per_sm=validated.smem_per_sm, precision=validated.precision)
     check_case(case, precision, seed, outs, q, cache, idx, kw,
                f"{precision} groups={chosen.head_groups} splits={chosen.num_splits}")
 

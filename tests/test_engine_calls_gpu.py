@@ -21,12 +21,12 @@ import math
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import default_block_stride
+from cute_kernels.sparse_mla_decode.cache_view import default_block_stride
 from cute_kernels.sparse_mla_decode.kv_format import MODEL1_FP8
 from cute_kernels.sparse_mla_decode.reference import reference_decode
-from dispatch.accuracy import rounding_floor
 from dispatch.adapters import flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4
-from dispatch.testing import make_cache, make_indices
+from dispatch.tools.accuracy import rounding_floor
+from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.tolerances import check_against_reference, seed_for
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +42,7 @@ def _padded_heads(num_heads: int) -> int:
 
 def _check(out, lse, q, cache, idx, kw, seed, what):
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    floor = rounding_floor("f16", q, cache, idx, kw, ref_out)
+    floor = rounding_floor("f16", q, cache=cache, idx=idx, kw=kw, ref_out=ref_out)
     check_against_reference(out, lse, ref_out, ref_lse, floor=floor, seed=seed, what=what)
 
 

@@ -52,7 +52,7 @@ def _installed() -> bool:
 
 def _expected_output(command: str) -> list[str]:
     """What the page says ``command`` prints (substrings of its output)."""
-    from dispatch import fingerprint
+    from dispatch.runtime import fingerprint
 
     if "requested_mode" in command:
         return ["sm120"]  # the value of DSV4_MLA_ENGINE_KERNELS=1, as the guide says
@@ -106,11 +106,12 @@ def _selftest_help() -> str:
 
 
 def test_the_selftest_calls_of_the_pages_name_real_models_degrees_and_options():
-    from dispatch.registry import MODELS
+    from dispatch.policy.registry import MODELS
 
     calls = []
     for page in PAGES:
-        calls += [(page.name, c) for c in re.findall(r"dsv4-mla-selftest((?: --?[\w.-]+(?: [\w./-]+)?)+)", page.read_text())]
+        calls += [(page.name, c) for c in re.findall(r"dsv4-mla-selftest((?: --?[\w.-]+(?: [\w./-]+)?)+)",
+                                                     page.read_text())]
     assert len(calls) >= 4
     for page, args in calls:
         for option in re.findall(r"(--[a-z-]+)", args):
@@ -132,7 +133,8 @@ def _flat(page: Path) -> str:
 
 def test_the_guide_quotes_the_plugins_and_the_loader(monkeypatch, caplog):
     from cute_kernels.arch import SUPPORTED_ARCHS
-    from dispatch import adapters, engine_plugins, loader
+    from dispatch import adapters, engine_plugins
+    from dispatch.runtime import loader
 
     guide = _flat(GUIDE)
     for logger in (engine_plugins.VLLM_LOG, engine_plugins.SGLANG_LOG, loader.log):
@@ -170,8 +172,8 @@ def test_the_pages_quote_the_loaders_words(isolated_loader, monkeypatch, tmp_pat
     wheel built beside cu12 only, and of a wheel without this GPU's arch."""
     import json
 
-    from dispatch import fingerprint as fp
-    from dispatch.variants import variant_space
+    from dispatch.policy.variant_space import variant_space
+    from dispatch.runtime import fingerprint as fp
 
     loader = isolated_loader
     monkeypatch.setattr(fp, "dsl_libs", lambda: "cu13+cu12")  # the server's environment
@@ -195,7 +197,7 @@ def test_the_pages_quote_the_loaders_words(isolated_loader, monkeypatch, tmp_pat
 
 
 def test_the_deployment_page_names_every_fingerprint_part():
-    from dispatch import fingerprint
+    from dispatch.runtime import fingerprint
 
     text = DEPLOYMENT.read_text()
     for field in fingerprint.FIELDS:

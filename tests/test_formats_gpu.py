@@ -34,13 +34,12 @@ import math
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import (
-    default_block_stride, gather_slot_parts, gather_slots, read_cache_view,
-)
+from cute_kernels.sparse_mla_decode.cache_readers import gather_slot_parts, gather_slots
+from cute_kernels.sparse_mla_decode.cache_view import default_block_stride, read_cache_view
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import InvalidDecodeInput, sparse_mla_decode
-from dispatch.testing import make_cache, make_indices, view_width
+from dispatch.tools.sample_inputs import make_cache, make_indices, view_width
 from tests.inputs import lengths_of, sink_of
 from tests.tolerances import ACCURACY, check_against_reference, rounding_floor, seed_for
 
@@ -56,7 +55,7 @@ class Case:
     topk: int
     page: int = 64
     num_blocks: int = 48
-    writer: str | None = None  # cache_format.WRITERS: None is the format's default
+    writer: str | None = None  # cache_writers.WRITERS: None is the format's default
     row_stride: int | None = None  # inline formats: bytes between rows (None: the format's first pitch)
     block_pad: int = 0  # page gap: bytes between blocks past the default block stride
     layout: str = "nhd"
@@ -173,7 +172,7 @@ def check_case(case: Case, seed: int, out, lse, q, clean, idx, kw):
     path's rounding model, ``fp8_model.fp8_path_decode`` called (through
     ``tolerances.rounding_floor``) with ``kv_format`` among its keywords."""
     ref_out, ref_lse = reference_decode(q, clean, idx, **kw)
-    floor = rounding_floor(case.precision, q, clean, idx, kw, ref_out)
+    floor = rounding_floor(case.precision, q, cache=clean, idx=idx, kw=kw, ref_out=ref_out)
     rel, lse_err, ratio = check_against_reference(out, lse, ref_out, ref_lse, floor=floor, seed=seed,
                                                   what=f"{case.precision} {case}")
     ACCURACY.append((f"formats {case}", rel, lse_err, ratio))

@@ -13,7 +13,7 @@ import torch
 
 import cute_kernels.sparse_mla_decode.fp8_model as fp8_model
 from cute_kernels.sparse_mla_decode.reference import reference_decode
-from dispatch.testing import make_cache, make_indices
+from dispatch.tools.sample_inputs import make_cache, make_indices
 
 
 @pytest.mark.parametrize("extra", [False, True])

@@ -32,7 +32,7 @@ def test_kernel_for_builds_the_merge_kernel():
 
 
 def test_loader_builds_through_the_classes():
-    from dispatch.loader import build_kernel
-    from dispatch.variants import KernelVariant
+    from dispatch.policy.variant_space import KernelVariant
+    from dispatch.runtime.loader import build_kernel
 
     assert type(build_kernel(KernelVariant(PartialConfig(precision="bf16"), "sm_120a"))).__name__ == "PartialBf16Kernel"

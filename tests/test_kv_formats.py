@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import e2m1_decode, read_cache_view
+from cute_kernels.sparse_mla_decode.cache_view import read_cache_view
+from cute_kernels.sparse_mla_decode.e2m1 import e2m1_decode
 from cute_kernels.sparse_mla_decode.kv_format import (
     EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8,
 )

@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from dispatch import loader
-from dispatch.fingerprint import fingerprint
-from dispatch.variants import variant_space
+from dispatch.policy.variant_space import variant_space
+from dispatch.runtime import loader
+from dispatch.runtime.fingerprint import fingerprint
 
 OTHER = "cu11"  # a flavour no environment has, so the entries differ whatever this one's is
 

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from dispatch.lse import convert_lse
+from dispatch.runtime.lse import convert_lse
 
 
 def test_natural_with_sink_is_the_log2_convention_in_natural_units():

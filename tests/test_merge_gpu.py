@@ -17,9 +17,9 @@ import torch
 from cute_kernels.arch import arch_for_capability
 from cute_kernels.sparse_mla_decode.config import MergeConfig
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, argument_kinds
-from dispatch import loader
-from dispatch.splits import MAX_SPLITS
-from dispatch.variants import KernelVariant
+from dispatch.policy.splits import MAX_SPLITS
+from dispatch.policy.variant_space import KernelVariant
+from dispatch.runtime import loader
 from tests.tolerances import bf16_floor, check_against_reference, seed_for
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +40,7 @@ def merge_reference(o_part: torch.Tensor, lse2_part: torch.Tensor, sink: torch.T
 
 
 def run_merge(o_part, lse_part, sink, split_batch: int):
-    from dispatch.launcher import BoundKernel
+    from dispatch.runtime.launcher import BoundKernel
 
     arch = arch_for_capability(torch.cuda.get_device_capability())
     variant = KernelVariant(MergeConfig(has_sink=sink is not None, split_batch=split_batch), arch)

@@ -9,17 +9,18 @@ import re
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
+from cute_kernels.sparse_mla_decode.cache_view import page_division_magic
 from cute_kernels.sparse_mla_decode.config import MergeConfig, merge_batch_for
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, FORMATS, MODEL1_NVFP4, V41_FP8
 from dispatch import InvalidDecodeInput, sparse_mla_decode
-from dispatch.plan import DecodePlan
-from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
-from dispatch.selection import PlanOverrides, select_kernels
-from dispatch.splits import MAX_SPLITS, SplitPlan
-from dispatch.variants import format_precisions, variant_space, variants_for
-from dispatch.testing import make_cache, make_indices
+from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
+from dispatch.policy.selection import PlanOverrides, select_kernels
+from dispatch.policy.splits import MAX_SPLITS, SplitPlan
+from dispatch.policy.precision import format_precisions
+from dispatch.policy.variant_space import variant_space, variants_for
+from dispatch.runtime.plan import DecodePlan
+from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.dispatch_inputs import MODEL1, NVFP4_CACHE, _EXTRA_IDX, _cpu_plan, _inputs, _md
 
 
@@ -63,7 +64,7 @@ def test_a_mixed_call_selects_a_partial_kernel_per_list_and_one_merge(main, extr
         space = set(variant_space(arch))
         for precision in set(format_precisions(arch, main)) & set(format_precisions(arch, extra)):
             what = (arch, precision, md)
-            sel = select_kernels(md, arch, sms, smem, precision)
+            sel = select_kernels(md, arch, num_sms=sms, smem_per_sm=smem, precision=precision)
             assert len(sel.variants) == 3 and sel.extra is not None, what
             first, second, merge = sel.variants
             assert first == variants_for(main_md, arch, sel.split.num_splits, sel.head_groups, precision,
@@ -90,16 +91,18 @@ def test_a_mixed_call_splits_at_most_what_the_merge_combines():
     once per list well below it."""
     for arch, sms, smem in _TARGETS:
         md = _mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 16, 8192, 8192)
-        alone = [select_kernels(list_md, arch, sms, smem, "f16").num_splits for list_md in md.list_calls()]
+        alone = [select_kernels(list_md, arch, num_sms=sms, smem_per_sm=smem,
+                                precision="f16").num_splits for list_md in md.list_calls()]
         assert alone == [MAX_SPLITS, MAX_SPLITS], (arch, alone)
-        sel = select_kernels(md, arch, sms, smem, "f16")
+        sel = select_kernels(md, arch, num_sms=sms, smem_per_sm=smem, precision="f16")
         assert sel.split.num_splits <= MAX_SPLITS - 1, (arch, sel.split)
         assert 1 <= sel.extra.split.num_splits <= MAX_SPLITS - sel.split.num_splits, (arch, sel)
         assert sel.num_splits <= MAX_SPLITS, (arch, sel)
-        longer = select_kernels(_mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 1, 8192, 65536), arch, sms, smem, "f16")
+        longer = select_kernels(_mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 1, 8192, 65536), arch, num_sms=sms,
+                                smem_per_sm=smem, precision="f16")
         assert 1 < longer.extra.split.num_splits and longer.num_splits <= MAX_SPLITS, (arch, longer)
-    sel = select_kernels(_mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 128, 8192, 8192), "sm_120a", 188, SM120_SMEM_PER_SM,
-                         "f16")
+    sel = select_kernels(_mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 128, 8192, 8192), "sm_120a", num_sms=188,
+                         smem_per_sm=SM120_SMEM_PER_SM, precision="f16")
     assert 1 < sel.split.num_splits and 1 < sel.extra.split.num_splits and sel.num_splits <= MAX_SPLITS, sel
 
 
@@ -110,7 +113,7 @@ def test_a_call_whose_extra_cache_has_the_main_format_is_one_call():
         for named in (None, kv_format):
             md = _mixed_md(kv_format, named, 4, 64, 128, 512, has_extra_len=True)
             assert not md.mixed
-            sel = select_kernels(md, "sm_120a", 188, SM120_SMEM_PER_SM, "f16")
+            sel = select_kernels(md, "sm_120a", num_sms=188, smem_per_sm=SM120_SMEM_PER_SM, precision="f16")
             assert sel.extra is None and sel.num_splits == sel.split.num_splits, sel
             assert sel.variants[0].config.has_extra_topk_length and sel.variants[0].config.kv_format == kv_format
 
@@ -221,11 +224,13 @@ def test_overrides_num_splits_is_refused_for_a_mixed_call(monkeypatch):
     message = ("overrides.num_splits: a call of two cache formats (model1_fp8 + model1_nvfp4) splits each list by "
                "itself")
     with pytest.raises(ValueError, match=re.escape(message)):
-        select_kernels(md, "sm_120a", 188, SM120_SMEM_PER_SM, "f16", PlanOverrides(num_splits=2))
+        select_kernels(md, "sm_120a", num_sms=188, smem_per_sm=SM120_SMEM_PER_SM, precision="f16",
+                       overrides=PlanOverrides(num_splits=2))
     _, call = _cpu_plan(monkeypatch, extra_kv_cache=NVFP4_CACHE, extra_indices=_EXTRA_IDX)
     assert call.launch_metadata.mixed
     with pytest.raises(ValueError, match=re.escape(message)):
         DecodePlan(call, PlanOverrides(num_splits=1))
-    sel = select_kernels(md, "sm_120a", 188, SM120_SMEM_PER_SM, "f16", PlanOverrides(head_groups=2, num_stages=2))
+    sel = select_kernels(md, "sm_120a", num_sms=188, smem_per_sm=SM120_SMEM_PER_SM, precision="f16",
+                         overrides=PlanOverrides(head_groups=2, num_stages=2))
     assert sel.head_groups == sel.extra.head_groups == 2
     assert [(v.config.head_groups, v.config.stages) for v in sel.variants[:2]] == [(2, 2), (2, 2)], sel.variants

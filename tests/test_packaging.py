@@ -33,11 +33,11 @@ _SERVE_REGISTRY = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     import dispatch
-    from dispatch import loader
+    from dispatch.runtime import loader
     from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
-    from dispatch.registry import deployment_calls
-    from dispatch.selection import select_kernels
-    from dispatch.variants import precisions_for
+    from dispatch.policy.registry import deployment_calls
+    from dispatch.policy.selection import select_kernels
+    from dispatch.policy.precision import precisions_for
     assert Path(dispatch.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), dispatch.__file__
     assert loader.require_aot()
     planned = set()
@@ -57,7 +57,7 @@ def test_wheel_holds_the_library_and_serves_every_deployment_shape_without_compi
     env = {**os.environ, "PYTHONPATH": str(site), "DSV4_MLA_REQUIRE_AOT": "1",
            "DSV4_MLA_CACHE_DIR": str(tmp_path / "jit")}
     env.pop("DSV4_MLA_AOT_DIR", None)
-    subprocess.run([sys.executable, "-m", "dispatch.aot_build", "--out", str(out_dir), "--wheel", str(wheels)],
+    subprocess.run([sys.executable, "-m", "dispatch.tools.aot_build", "--out", str(out_dir), "--wheel", str(wheels)],
                    check=True, cwd=ROOT, capture_output=True)
     (wheel,) = wheels.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -155,23 +155,36 @@ def test_shipped_code_imports_neither_tests_nor_scripts_and_nothing_edits_sys_pa
                 assert not any(n.split(".")[0] in ("tests", "scripts") for n in names), (path, names)
 
 
+def _module_name(path: Path) -> str:
+    """The dotted name of a source file (a package's ``__init__.py`` is the package)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _internal_imports(folder: str) -> dict:
-    """module -> the modules of the package in ``folder`` it imports (anywhere in its code)."""
-    dotted = folder.replace("/", ".")
+    """module -> the modules of the package in ``folder`` it imports (anywhere in its code),
+    by dotted name; ``from package import name`` counts the submodule ``name`` where there is
+    one, else the package."""
+    paths = list(_sources(folder))
+    modules = {_module_name(p) for p in paths}
     graph = {}
-    for path in _sources(folder):
+    for path in paths:
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level == 1:
-                deps.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
-            elif node.level == 0 and node.module and node.module.startswith(dotted + "."):
-                deps.add(node.module[len(dotted) + 1:].split(".")[0])
-            elif node.level == 0 and node.module == dotted:
-                deps.update(a.name for a in node.names)
-        graph[path.stem] = deps - {path.stem}
-    return {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                deps.add(sub if sub in modules else target)
+        graph[name] = {d for d in deps if d in modules} - {name}
+    return graph
 
 
 def test_no_import_cycle_in_dispatch_or_the_kernels():
@@ -191,6 +204,53 @@ def test_no_import_cycle_in_dispatch_or_the_kernels():
 
         for m in sorted(graph):
             visit(m)
+
+
+# dispatch's wings, lowest first: a module imports only from its own wing and those below it.
+# "" is the public surface, the modules directly in dispatch/ (the API, kv_formats, adapters,
+# the torch op, the engine plugins) and the package itself.
+DISPATCH_WINGS = ("policy", "runtime", "", "tools")
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in DISPATCH_WINGS) else ""
+
+
+def _upward_imports(graph: dict) -> list:
+    """(module, its wing, the modules it imports from a wing above its own)."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        rank = DISPATCH_WINGS.index(_wing(module))
+        upward = sorted(d for d in deps if DISPATCH_WINGS.index(_wing(d)) > rank)
+        if upward:
+            found.append((module, _wing(module), upward))
+    return found
+
+
+def test_dispatch_wings_import_downward_only():
+    graph = _internal_imports("dispatch")
+    wings = {_wing(m) for m in graph}
+    assert wings == set(DISPATCH_WINGS), f"dispatch/ has wings {sorted(wings)}; DISPATCH_WINGS names {DISPATCH_WINGS}"
+    assert graph["dispatch.api"] >= {"dispatch.runtime.plan", "dispatch.policy.selection"}  # the graph is read
+    for module, wing, upward in _upward_imports(graph):
+        raise AssertionError(f"{module} (wing {wing!r}) imports {upward} from a wing above it")
+
+
+def test_the_wing_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    """The rule on a made-up package: policy importing the runtime (relative) and the package
+    itself (absolute: its __init__ is the public surface) are both found."""
+    pkg = tmp_path / "dispatch"
+    files = {"policy/__init__.py": "", "policy/mod.py": "from ..runtime.plan import x\nfrom dispatch import api\n",
+             "runtime/__init__.py": "", "runtime/plan.py": "from ..policy import mod\n", "__init__.py": "",
+             "api.py": "from .runtime import plan\n", "tools/__init__.py": "", "tools/cli.py": "from .. import api\n"}
+    for name, body in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(body)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = _internal_imports("dispatch")
+    assert graph["dispatch.runtime.plan"] == {"dispatch.policy.mod"} and graph["dispatch.tools.cli"] == {"dispatch.api"}
+    assert _upward_imports(graph) == [("dispatch.policy.mod", "policy", ["dispatch.api", "dispatch.runtime.plan"])]
 
 
 # ---------------------------------------------------------------------- the docs' numbers
@@ -255,3 +315,35 @@ def test_every_tuning_anchor_has_its_entry():
     headings = set(re.findall(r"^### (\S+)$", (ROOT / "docs" / "tuning.md").read_text(), re.M))
     anchors = set(re.findall(r"#.*\[([a-z0-9_]+)\]\s*$", tuning, re.M))
     assert anchors and anchors <= headings, sorted(anchors - headings)
+
+
+# ---------------------------------------------------------------------- the public names
+PUBLIC_NAMES = {
+    "dispatch": ("sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata",
+                 "InvalidDecodeInput", "PlanOverrides", "clear_plan_cache", "plan_cache_info"),
+    "dispatch.kv_formats": ("FORMATS", "DEFAULT_FORMAT", "EXTRA_FORMATS", "KvFormat", "get_format", "writers", "pack",
+                            "unpack"),
+    "dispatch.adapters": ("flash_mla_with_kvcache", "flash_mla_with_kvcache_sm120",
+                          "trtllm_batch_decode_sparse_mla_dsv4"),
+    "cute_kernels.sparse_mla_decode.reference": ("reference_decode",),
+    "cute_kernels.sparse_mla_decode.cache_writers": ("pack_latent",),
+}
+
+
+def test_every_public_name_still_imports():
+    """The names users and engines import, the torch op, and every console command and engine
+    entry point of pyproject.toml resolve (whatever moved inside ``dispatch/``)."""
+    import importlib
+
+    import torch
+
+    for module, names in PUBLIC_NAMES.items():
+        imported = importlib.import_module(module)
+        missing = [n for n in names if not hasattr(imported, n)]
+        assert not missing, f"{module} lacks {missing}"
+    assert callable(torch.ops.dsv4_mla.sparse_mla_decode)
+    text = (ROOT / "pyproject.toml").read_text()
+    targets = re.findall(r'^[\w-]+ = "([\w.]+):(\w+)"$', text, re.M)
+    assert len(targets) == 5, targets  # three commands, two engine plugins
+    for module, attr in targets:
+        assert callable(getattr(importlib.import_module(module), attr)), (module, attr)

@@ -7,13 +7,14 @@ import types
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import page_division_magic, read_cache_view
+from cute_kernels.sparse_mla_decode.cache_view import page_division_magic, read_cache_view
 from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, GLM_NOPE_FP8, V32_FP8, V41_FP8
 from dispatch.api import ValidatedCall
-from dispatch.plan import DecodePlan
-from dispatch.splits import SplitPlan
-from dispatch.testing import make_cache
+from dispatch.policy.splits import SplitPlan
+from dispatch.runtime.decode_inputs import DecodeTensors
+from dispatch.runtime.plan import DecodePlan
+from dispatch.tools.sample_inputs import make_cache
 from tests.dispatch_inputs import (
     GLM_CACHE, GLM_POOL_CACHE, MODEL1, V32_CACHE, V41_CACHE, V41_INLINE_PADDED_CACHE, _BATCHED, _STRIDED_ROWS,
     _cpu_plan, _misaligned,
@@ -25,8 +26,8 @@ def _validated(cache, kv_format, **fields) -> ValidatedCall:
     argument values read), built on CPU: ``validate_call`` itself needs a CUDA device."""
     empty = {f.name: None for f in dataclasses.fields(ValidatedCall)}
     view = read_cache_view(cache, kv_format)
-    return ValidatedCall(**{**empty, "main": view, "extra": view, "kv_cache": cache, "device_index": 0,
-                            "precision": "f16", **fields})
+    return ValidatedCall(**{**empty, "main": view, "extra": view, "tensors": DecodeTensors(None, cache, None),
+                            "device_index": 0, "precision": "f16", **fields})
 
 
 @pytest.mark.parametrize("kv_format,cache,index_page", [
@@ -59,47 +60,48 @@ def test_plan_binds_every_kernel_argument_and_the_row_strides(kv_format, cache, 
 
 def test_plan_alignment_comes_from_the_kernel_argument_schema(monkeypatch):
     from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
-    from dispatch.plan import RUN_TENSORS
+    from dispatch.runtime.decode_inputs import DecodeTensors
 
     plan, _ = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, dtype=torch.int32))
     schema = {a.name: a.align for a in PARTIAL_ARGS}
-    aligns = dict(zip((name for name, _ in RUN_TENSORS), plan._aligns))
+    aligns = dict(zip((name for name in DecodeTensors._fields), plan._aligns))
     assert aligns["q"] == schema["q"] == 16 and aligns["kv_cache"] == schema["main_cache"] == 16
     assert aligns["out"] == schema["out"] == 8 and aligns["topk_length"] == schema["main_len"] == 4
 
 
 def test_plan_run_refuses_a_misaligned_tensor(monkeypatch):
     plan, call = _cpu_plan(monkeypatch)
-    kw = dict(out=call.out, lse=call.lse, scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8))
-    plan._checked_values("run", (call.q, call.kv_cache, call.indices, None, None, call.out, call.lse, None, None,
-                                 None), None, kw["scratch"])  # the planned tensors pass
+    t = call.tensors
+    kw = dict(out=t.out, lse=t.lse, scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8))
+    plan._checked_values("run", t, None, kw["scratch"])  # the planned tensors pass
     for name, offset, align in (("q", 8, 16), ("out", 4, 8)):
-        tensors = dict(q=call.q, out=call.out)
+        tensors = dict(q=t.q, out=t.out)
         tensors[name] = _misaligned(tensors[name], offset)
-        assert tensors[name].stride() == getattr(call, name).stride()
+        assert tensors[name].stride() == getattr(t, name).stride()
         for caller in ("run", "bind"):
             with pytest.raises(ValueError, match=rf"DecodePlan.{caller}: {name} starts at address 0x[0-9a-f]+, "
                                                  rf"not {align}-byte aligned"):
-                getattr(plan, caller)(tensors["q"], call.kv_cache, call.indices, out=tensors["out"], lse=call.lse,
+                getattr(plan, caller)(tensors["q"], t.kv_cache, t.indices, out=tensors["out"], lse=t.lse,
                                       scratch=kw["scratch"])
 
 
 def test_plan_run_refuses_lengths_that_are_not_one_int_per_token_in_order(monkeypatch):
     plan, call = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, 2, dtype=torch.int32), **_BATCHED)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8)
+    t = call.tensors
     with pytest.raises(ValueError, match=r"DecodePlan.run: topk_length has shape \[2, 2\], strides \[4, 1\]"):
-        plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=scratch,
-                 topk_length=_STRIDED_ROWS)
+        plan.run(t.q, t.kv_cache, t.indices, out=t.out, lse=t.lse, scratch=scratch, topk_length=_STRIDED_ROWS)
 
 
 def test_run_and_bind_take_the_planned_tensors_by_name():
     import inspect
 
-    from dispatch.plan import RUN_TENSORS, DecodePlan
+    from dispatch.runtime.decode_inputs import DecodeTensors
+    from dispatch.runtime.plan import DecodePlan
 
     for method in (DecodePlan.run, DecodePlan.bind):
         params = inspect.signature(method).parameters
-        assert all(name in params for name, _ in RUN_TENSORS), method
+        assert all(name in params for name in DecodeTensors._fields), method
 
 
 def test_kernel_params_take_the_schema_and_at_most_the_stream():

@@ -12,14 +12,14 @@ import torch
 from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 from cute_kernels.sparse_mla_decode.kv_format import MODEL1_NVFP4
 from dispatch import InvalidDecodeInput, sparse_mla_decode
-from dispatch.plan import RUN_TENSORS
-from dispatch.plan_cache import PlanCache, layout_key
-from dispatch.testing import make_cache, make_indices
+from dispatch.runtime.decode_inputs import DecodeTensors
+from dispatch.runtime.plan_cache import PlanCache, layout_key
+from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.dispatch_inputs import MODEL1, _cpu_plan, _misaligned
 
 
 def test_layout_keys_tell_every_layout_apart():
-    """The one-shot call's plan cache (``dispatch.plan_cache``) keys a call by its layout:
+    """The one-shot call's plan cache (``dispatch.runtime.plan_cache``) keys a call by its layout:
     tensors that differ only in a stride, a dtype, a device or an optional input, and calls
     that differ only in the formats or precision they name, never share a key (so never a
     plan); new values in new tensors of the same layout do."""
@@ -31,7 +31,8 @@ def test_layout_keys_tell_every_layout_apart():
     lens = torch.full((4,), 100, dtype=torch.int32)
 
     def key(q=q, cache=cache, idx=idx, lens=None, out=out, kv_format=None, extra_kv_format=None, precision=None):
-        return layout_key((q, cache, idx, lens, None, out, lse, None, None, None), kv_format, extra_kv_format, precision)
+        return layout_key((q, cache, idx, lens, None, out, lse, None, None, None), (kv_format, extra_kv_format,
+                                                                                    precision))
 
     base = key()
     assert base == key(q=q.clone(), cache=make_cache(4, 64, device="cpu", gen=gen), idx=idx.clone(), out=out.clone())
@@ -55,26 +56,27 @@ def test_layout_keys_tell_every_layout_apart():
 
 def test_the_one_shot_call_keys_its_tensors_in_run_order(monkeypatch):
     """``one_shot_decode`` writes run()'s tensor order out by hand (its hot path): the tuple it
-    keys and launches must be ``RUN_TENSORS``' order."""
-    from dispatch import api, plan_cache
+    keys and launches must be ``DecodeTensors``' field order."""
+    from dispatch import api
+    from dispatch.runtime import plan_cache
 
     seen = []
 
-    def capture(tensors, *names):
+    def capture(tensors, names):
         seen.append(tensors)
         raise AttributeError("captured")  # then the full validation, which refuses the markers
 
     monkeypatch.setattr(api, "layout_key", capture)
-    markers = {name: object() for name, _ in RUN_TENSORS}
+    markers = {name: object() for name in DecodeTensors._fields}
     with pytest.raises(InvalidDecodeInput):
         sparse_mla_decode(markers["q"], markers["kv_cache"], markers["indices"],
                           **{name: m for name, m in markers.items() if name not in ("q", "kv_cache", "indices")})
-    assert seen and all(t is markers[name] for t, (name, _) in zip(seen[0], RUN_TENSORS))
-    assert len(seen[0]) == len(RUN_TENSORS) and plan_cache.layout_key is not capture
+    assert seen and all(t is markers[name] for t, name in zip(seen[0], DecodeTensors._fields))
+    assert len(seen[0]) == len(DecodeTensors._fields) and plan_cache.layout_key is not capture
 
 
 def test_plan_cache_caps_come_from_the_environment(monkeypatch):
-    from dispatch.plan_cache import BYTES_ENV, DEFAULT_BYTES, DEFAULT_ENTRIES, ENTRIES_ENV
+    from dispatch.runtime.plan_cache import BYTES_ENV, DEFAULT_BYTES, DEFAULT_ENTRIES, ENTRIES_ENV
 
     monkeypatch.delenv(ENTRIES_ENV, raising=False)
     monkeypatch.delenv(BYTES_ENV, raising=False)
@@ -94,10 +96,10 @@ def test_plan_cache_caps_come_from_the_environment(monkeypatch):
 def test_plan_cache_keeps_buffers_within_its_byte_cap(monkeypatch):
     """One buffer per kind and stream, grown to the largest need while the kept buffers fit the
     byte cap; a need past it gets a buffer of its own that the cache does not keep."""
-    import dispatch.plan_cache as pc
+    import dispatch.runtime.plan_cache as pc
 
     monkeypatch.setattr(pc, "_capturing", lambda: False)
-    monkeypatch.setattr(pc, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(pc, "raw_stream", lambda index: 7)
     cache = PlanCache(capacity=4, byte_cap=1000)
 
     def alloc(n):
@@ -120,10 +122,10 @@ def test_discarded_lse_is_one_view_per_layout_of_the_kept_buffer(monkeypatch):
     """A call that wants no lse gets a view of the stream's kept lse buffer: the same view
     while that buffer is kept; none kept once the buffer grows (the old one is freed) or when
     the call is served past the byte cap (its own buffer is not kept)."""
-    import dispatch.plan_cache as pc
+    import dispatch.runtime.plan_cache as pc
 
     monkeypatch.setattr(pc, "_capturing", lambda: False)
-    monkeypatch.setattr(pc, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(pc, "raw_stream", lambda index: 7)
     cache = PlanCache(capacity=4, byte_cap=400)
     plan = types.SimpleNamespace(device_index=0, device=torch.device("cpu"))
 
@@ -183,13 +185,13 @@ def test_a_cache_hit_launches_what_plan_run_launches(monkeypatch):
     launched = []
     monkeypatch.setattr(plan, "_bind_and_launch", launched.append)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8) if plan.scratch_bytes else None
-    plan.run(call.q, call.kv_cache, call.indices, out=call.out, lse=call.lse, scratch=scratch,
-             topk_length=call.topk_length, sm_scale=0.05)
-    given = tuple(getattr(call, name) for name, _ in RUN_TENSORS)
+    t = call.tensors
+    plan.run(t.q, t.kv_cache, t.indices, out=t.out, lse=t.lse, scratch=scratch, topk_length=t.topk_length, sm_scale=0.05)
+    given = call.tensors
     assert plan.launch_laid_out(given, 0.05, scratch) and launched[0] == launched[1]
     assert plan.launch_laid_out(given, 1, scratch) and launched[2][len(given)] == 1 * LOG2_E
     for scale in (math.nan, math.inf, True, torch.tensor(0.05), "0.05"):
         assert not plan.launch_laid_out(given, scale, scratch)
-    q = _misaligned(call.q, 2)
-    assert q.stride() == call.q.stride() and not plan.launch_laid_out((q,) + given[1:], 0.05, scratch)
+    q = _misaligned(call.tensors.q, 2)
+    assert q.stride() == call.tensors.q.stride() and not plan.launch_laid_out((q,) + given[1:], 0.05, scratch)
     assert len(launched) == 3

@@ -3,7 +3,7 @@
 The brute force reads each selected slot's bytes itself (the byte layout of each format, from
 its specification, flat-row addressing included; e4m3, e2m1, UE8M0, E4M3, FP32 and bf16
 decoded in plain Python, exact in float64), then loops over tokens, heads and entries. It
-shares nothing with ``cache_format`` or the reference.
+shares nothing with the cache readers or the reference.
 """
 
 import math
@@ -12,12 +12,11 @@ import struct
 import pytest
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import (
-    default_block_stride, pack_latent, read_cache_view,
-)
+from cute_kernels.sparse_mla_decode.cache_view import default_block_stride, read_cache_view
+from cute_kernels.sparse_mla_decode.cache_writers import pack_latent
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
-from dispatch.testing import make_cache, make_indices
+from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.fp_spec import e4m3_value
 from tests.tolerances import seed_for
 

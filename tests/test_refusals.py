@@ -13,8 +13,8 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import MODEL1_FP8
 from dispatch import InvalidDecodeInput, PlanOverrides, plan_sparse_mla_decode
-from dispatch.plan import FLT_MIN, RUN_TENSORS, byte_span, overlapping_output, scale_log2
-from dispatch.testing import make_cache, make_indices
+from dispatch.runtime.decode_inputs import FLT_MIN, DecodeTensors, byte_span, overlapping_output, scale_log2
+from dispatch.tools.sample_inputs import make_cache, make_indices
 
 LOG2_E = 1.4426950408889634
 
@@ -40,8 +40,8 @@ def test_byte_span():
 
 
 def _spans(**tensors):
-    """Addresses, spans and the present indices of named tensors in ``RUN_TENSORS`` order."""
-    names = [name for name, _ in RUN_TENSORS]
+    """Addresses, spans and the present indices of named tensors in ``DecodeTensors`` order."""
+    names = [name for name in DecodeTensors._fields]
     given = [tensors.get(name) for name in names]
     addresses = tuple(0 if t is None else t.data_ptr() for t in given)
     spans = tuple(0 if t is None else byte_span(t) for t in given)
@@ -78,7 +78,7 @@ def test_plan_overrides_errors_come_before_the_device_check(overrides, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the command would serve the registry")
 def test_check_aot_without_a_gpu_says_so_in_one_line(capsys):
-    from dispatch.check_aot import NO_GPU, main
+    from dispatch.tools.check_aot import NO_GPU, main
 
     assert main([]) == NO_GPU
     err = capsys.readouterr().err.strip().splitlines()

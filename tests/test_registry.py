@@ -11,14 +11,15 @@ import torch
 from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.config import MergeConfig, merge_batch_for
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS
-from dispatch.metadata import DecodeMetadata
-from dispatch.plan import DecodePlan
-from dispatch.registry import (
+from dispatch.policy.call_metadata import DecodeMetadata
+from dispatch.runtime.plan import DecodePlan
+from dispatch.policy.registry import (
     DEPLOYMENT_NUM_TOKENS, DEPLOYMENT_SHAPES, DEPLOYMENT_SM_COUNTS, deployment_calls, registry_calls, registry_variants,
 )
-from dispatch.selection import select_kernels
-from dispatch.variants import KernelVariant, precisions_for, variant_space, variants_for
-from dispatch.testing import make_cache
+from dispatch.policy.selection import select_kernels
+from dispatch.policy.precision import precisions_for
+from dispatch.policy.variant_space import KernelVariant, variant_space, variants_for
+from dispatch.tools.sample_inputs import make_cache
 from tests.dispatch_inputs import MODEL1, _stub_kernels
 
 
@@ -121,7 +122,7 @@ def test_registry_is_what_plans_select(monkeypatch, arch):
             assert call.launch_metadata == md, (call.launch_metadata, md)
             plan = DecodePlan(call)
             what = (precision, sms, md)
-            selection = select_kernels(md, arch, sms, smem_per_sm, precision)
+            selection = select_kernels(md, arch, num_sms=sms, smem_per_sm=smem_per_sm, precision=precision)
             assert (plan.num_splits, selection.head_groups, selection.two_ctas_per_sm) == (splits, groups, two), what
             assert plan.split == selection.split and plan.variants == selection.variants, what
             if md.mixed:
@@ -163,7 +164,7 @@ def test_every_variant_a_mixed_deployment_call_selects_is_in_the_variant_space(a
     for precision in precisions_for(arch):
         for md, sms in deployment_calls(precision, arch):
             if md.mixed:
-                variants = select_kernels(md, arch, sms, smem, precision).variants
+                variants = select_kernels(md, arch, num_sms=sms, smem_per_sm=smem, precision=precision).variants
                 assert len(variants) == 3 and set(variants) <= space, (precision, sms, md)
                 pairs[md.kv_format, md.extra_kv_format] = pairs.get((md.kv_format, md.extra_kv_format), 0) + 1
     assert set(pairs) == {(s.kv_format, s.extra_kv_format) for s in DEPLOYMENT_SHAPES if s.extra_kv_format}, pairs

@@ -13,12 +13,13 @@ from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from cute_kernels.sparse_mla_decode.kv_format import (
     EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_NVFP4, V32_FP8, get_format,
 )
-from dispatch.metadata import DecodeMetadata
-from dispatch.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
-from dispatch.splits import MAX_SPLITS, plan_splits, resident_ctas_per_sm, two_ctas_per_sm
-from dispatch.variants import (
-    head_groups_for, partial_shape_config, precisions_for, resolve_precision, variant_space, variants_for,
-)
+from dispatch.policy.call_metadata import DecodeMetadata
+from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
+from dispatch.policy.occupancy import resident_ctas_per_sm
+from dispatch.policy.splits import MAX_SPLITS, plan_splits, two_ctas_per_sm
+from dispatch.policy.head_groups import head_groups_for, partial_shape_config
+from dispatch.policy.precision import precisions_for, resolve_precision
+from dispatch.policy.variant_space import variant_space, variants_for
 from tests.dispatch_inputs import MODEL1, _md
 
 
@@ -97,8 +98,8 @@ def test_variant_space_per_format():
             cfg = v.config
             v.config.check()
             assert f"_{cfg.kv_format}_" in v.name
-            assert cfg.precision != "mxf8" or cfg.kv_format == MODEL1
-            assert not cfg.has_extra_topk_length or cfg.kv_format in EXTRA_FORMATS
+            assert cfg.precision in FORMATS[cfg.kv_format].paths
+            assert not cfg.has_extra_topk_length or cfg.kv_format in FORMATS[cfg.kv_format].extras
             assert not cfg.two_ctas_per_sm or (cfg.precision == "f16" and cfg.num_threads == 256)
         inline_f16 = [v.config for v in partials if get_format(v.config.kv_format).inline and v.config.precision == "f16"]
         assert inline_f16 and all(cfg.num_threads == 288 and not cfg.two_ctas_per_sm for cfg in inline_f16)
@@ -240,7 +241,7 @@ def test_register_bound_only_where_two_ctas_share_an_sm(T, H, topk, extra):
     for sms, smem, arch in ((132, H200_SMEM_PER_SM, "sm_90a"), (188, SM120_SMEM_PER_SM, "sm_120a")):
         cfg = partial_shape_config(H, T, sms, topk=topk, extra_topk=extra, smem_per_sm=smem)
         plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=sms, smem_per_sm=smem)
-        two = two_ctas_per_sm(cfg, plan, T, H, sms, smem)
+        two = two_ctas_per_sm(cfg, plan, num_tokens=T, num_heads=H, num_sms=sms, smem_per_sm=smem)
         ctas = T * math.ceil(H / cfg.heads_per_cta) * plan.num_splits
         assert two == (arch == "sm_90a" and ctas > sms), (arch, cfg, plan)
         partial = variants_for(md, arch, plan.num_splits, cfg.head_groups, two_ctas_per_sm=two)[0]

@@ -17,14 +17,15 @@ import types
 import pytest
 import torch
 
-from dispatch import loader, selftest
-from dispatch.fingerprint import fingerprint, fingerprint_id
-from dispatch.registry import DEPLOYMENT_SHAPES, MODELS
-from dispatch.selftest_peers import flashinfer_call, flashmla_call, peer_calls, time_peer
-from dispatch.selftest_report import markdown, summary_line, write_reports
-from dispatch.selftest_shapes import UsageError, resolve_model, select_deployment
-from dispatch.testing import make_cache
-from dispatch.variants import variant_space
+from dispatch.policy.registry import DEPLOYMENT_SHAPES, MODELS
+from dispatch.policy.variant_space import variant_space
+from dispatch.runtime import loader
+from dispatch.runtime.fingerprint import fingerprint, fingerprint_id
+from dispatch.tools import selftest
+from dispatch.tools.sample_inputs import make_cache
+from dispatch.tools.selftest_peers import flashinfer_call, flashmla_call, peer_calls, time_peer
+from dispatch.tools.selftest_report import markdown, summary_line, write_reports
+from dispatch.tools.selftest_shapes import UsageError, resolve_model, select_deployment
 
 
 # ---------------------------------------------------------------------- the deployment
@@ -122,7 +123,7 @@ def test_without_a_gpu_one_line_and_its_own_exit_status(capsys, monkeypatch):
 
 
 def test_help_explains_outputs_and_exit_statuses():
-    done = subprocess.run([sys.executable, "-m", "dispatch.selftest", "--help"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "dispatch.tools.selftest", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("usage: dsv4-mla-selftest")
     text = " ".join(done.stdout.split())
     for phrase in ("dsv4-mla-selftest.json", "dsv4-mla-selftest.md", "dsv4-mla-selftest.png", "Exit status: 0",
@@ -133,7 +134,7 @@ def test_help_explains_outputs_and_exit_statuses():
 # ---------------------------------------------------------------------- the calls
 def test_cases_are_the_deployment_at_each_token_count_with_full_lists():
     deployment = select_deployment("deepseek-v4-flash", 8, quick=True)
-    cases = selftest.make_cases(deployment, (1, 3), "sm_120a", None, seed=5, device="cpu")
+    cases = selftest.make_cases(deployment, tokens=(1, 3), arch="sm_120a", wanted=None, seed=5, device="cpu")
     assert len(cases) == 2 * len(deployment.shapes)
     for case in cases:
         s = case.shape.shape
@@ -147,9 +148,10 @@ def test_cases_are_the_deployment_at_each_token_count_with_full_lists():
         if s.extra_topk:
             assert (case.kw["extra_topk_length"] == s.extra_topk).all()
             assert case.kw["extra_kv_format"] == (s.extra_kv_format or s.kv_format)
-    glm = selftest.make_cases(select_deployment("glm-5.3", 1), (2,), "sm_90a", ["fp8", "f16"], 0, device="cpu")
+    glm = selftest.make_cases(select_deployment("glm-5.3", 1), tokens=(2,), arch="sm_90a", wanted=["fp8", "f16"],
+                              seed=0, device="cpu")
     assert [c.paths for c in glm] == [["f16", "fp8"]] and "attn_sink" not in glm[0].kw  # GLM: no sinks, no mxf8
-    again = selftest.make_cases(deployment, (1, 3), "sm_120a", None, seed=5, device="cpu")
+    again = selftest.make_cases(deployment, tokens=(1, 3), arch="sm_120a", wanted=None, seed=5, device="cpu")
     assert all(torch.equal(a.q, b.q) and torch.equal(a.indices, b.indices) for a, b in zip(cases, again))  # --seed
 
 
@@ -158,14 +160,14 @@ def test_the_variants_expected_are_those_the_plan_loads(monkeypatch):
     kernels stubbed: nothing is compiled or launched)."""
     from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
     from dispatch.api import validate_call
-    from dispatch.plan import DecodePlan
+    from dispatch.runtime.plan import DecodePlan
 
     loaded = []
     monkeypatch.setattr(loader, "get_compiled", lambda variant: loaded.append(variant))
     monkeypatch.setattr(DecodePlan, "_make_kernels", lambda self, values: [])
     target = ("sm_120a", 188, SMEM_PER_SM_BY_ARCH["sm_120a"])
     deployment = select_deployment("deepseek-v4-flash", 4, "model1_fp8", quick=True)
-    cases = selftest.make_cases(deployment, (1, 64), "sm_120a", None, 0, device="cpu")
+    cases = selftest.make_cases(deployment, tokens=(1, 64), arch="sm_120a", wanted=None, seed=0, device="cpu")
     mixed = next(c for c in cases if c.shape.shape.extra_kv_format and c.num_tokens == 64)
     for case in [cases[0], cases[1], mixed]:
         for precision in case.paths:
@@ -178,7 +180,8 @@ def test_the_variants_expected_are_those_the_plan_loads(monkeypatch):
 
 
 def test_a_call_that_raises_is_reported_and_fails_the_run():
-    cases = selftest.make_cases(select_deployment("glm-5.3", 4), (1,), "sm_90a", ["f16"], 0, device="cpu")
+    cases = selftest.make_cases(select_deployment("glm-5.3", 4), tokens=(1,), arch="sm_90a", wanted=["f16"], seed=0,
+                                device="cpu")
     rows = selftest.run_cases(cases, "sm_90a", timer=None, log=lambda *a, **k: None)
     entry = rows[0]["paths"]["f16"]
     assert entry["status"] == "error" and "the kernels run on CUDA devices only" in entry["error"]
@@ -192,7 +195,7 @@ def test_a_whole_run_with_a_stand_in_gpu(tmp_path, monkeypatch, capsys):
     import dispatch
     from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
     from cute_kernels.sparse_mla_decode.reference import reference_decode
-    from dispatch import selftest_peers, timing
+    from dispatch.tools import selftest_peers, timing
 
     target = ("sm_90a", 132, SMEM_PER_SM_BY_ARCH["sm_90a"])
     gpu = {"name": "Stand-in H200", "capability": [9, 0], "arch": "sm_90a", "sms": 132}
@@ -208,7 +211,7 @@ def test_a_whole_run_with_a_stand_in_gpu(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(dispatch, "sparse_mla_decode", decode)
     monkeypatch.setattr(selftest, "timing_unavailable", lambda: None)
-    monkeypatch.setattr(timing, "plan_runner", lambda *a: (lambda: None))
+    monkeypatch.setattr(timing, "plan_runner", lambda *a, **k: (lambda: None))
     monkeypatch.setattr(timing, "graph_time_us", lambda fn: (fn(), 5.0)[1])
     monkeypatch.setattr(selftest_peers, "WORKSPACE_BYTES", 16)
     for peer in ("flashinfer", "flash_mla"):
@@ -430,7 +433,7 @@ def test_flashinfer_gets_the_call_vllm_makes_on_the_same_inputs(monkeypatch):
     calls = []
     decode = _flashinfer_module(monkeypatch, calls)
     q, cache, idx, kw = _inputs(H=4, extra_format="model1_fp8")
-    call = flashinfer_call(q, cache, idx, kw, "sm_120a", WORKSPACE)
+    call = flashinfer_call(q, cache, idx, kw=kw, arch="sm_120a", workspace=WORKSPACE)
     assert call.unavailable is None and call.function == "flashinfer.decode.trtllm_batch_decode_sparse_mla_dsv4"
     inspect.signature(decode.trtllm_batch_decode_sparse_mla_dsv4).bind(*call.args, **call.kwargs)
     assert time_peer(call, _timed) == {"us": 7.25, "note": "query heads zero-padded 4 -> 8, as vLLM pads them"}
@@ -456,7 +459,7 @@ def test_flashinfer_gets_the_call_vllm_makes_on_the_same_inputs(monkeypatch):
 def test_flashinfer_is_told_the_cache_pairing(monkeypatch, main, extra, pairing):
     calls = []
     _flashinfer_module(monkeypatch, calls)
-    call = flashinfer_call(*_inputs(H=64, kv_format=main, extra_format=extra), "sm_121a", WORKSPACE)
+    call = flashinfer_call(*_inputs(H=64, kv_format=main, extra_format=extra), arch="sm_121a", workspace=WORKSPACE)
     assert call.note is None and call.kwargs["kv_cache_format"] == pairing and call.kwargs["query"].shape[1] == 64
 
 
@@ -464,7 +467,7 @@ def test_flashinfer_mla_call_for_the_fp32_scale_rows(monkeypatch):
     calls = []
     _flashinfer_module(monkeypatch, calls)
     q, cache, idx, kw = _inputs(H=16, kv_format="v32_fp8", sink=False, lengths=False)
-    call = flashinfer_call(q, cache, idx, kw, "sm_120a", WORKSPACE)
+    call = flashinfer_call(q, cache, idx, kw=kw, arch="sm_120a", workspace=WORKSPACE)
     assert call.function == "flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla"
     assert time_peer(call, _timed) == {"us": 7.25}
     (got,) = calls
@@ -474,7 +477,7 @@ def test_flashinfer_mla_call_for_the_fp32_scale_rows(monkeypatch):
     assert torch.equal(got["seq_lens"], torch.full((3,), 64, dtype=torch.int32))  # no lengths given: full lists
     assert got["kv_scale_format"] == "pow2_fp32" and got["sinks"] is None and got["bmm1_scale"] == 576 ** -0.5
     q, cache, idx, kw = _inputs(H=16, kv_format="glm_nope_fp8", sink=False)
-    glm = flashinfer_call(q, cache, idx, kw, "sm_120a", WORKSPACE)
+    glm = flashinfer_call(q, cache, idx, kw=kw, arch="sm_120a", workspace=WORKSPACE)
     assert glm.kwargs["qk_rope_head_dim"] == 0 and glm.kwargs["kv_scale_format"] == "arbitrary_fp32"
     # the rope-free layout's lengths go in sparse_mla_top_k_lens (FlashInfer requires them there)
     assert glm.kwargs["sparse_mla_top_k_lens"] is kw["topk_length"] and glm.kwargs["seq_lens"] is None
@@ -484,26 +487,28 @@ def test_flashinfer_says_why_it_does_not_run(monkeypatch):
     calls = []
     _flashinfer_module(monkeypatch, calls)
     inputs = _inputs(H=8)
-    assert flashinfer_call(*inputs, "sm_90a", WORKSPACE).unavailable == (
+    assert flashinfer_call(*inputs, arch="sm_90a", workspace=WORKSPACE).unavailable == (
         "FlashInfer's SM120 sparse MLA kernels run on sm_120 / sm_121 only (this GPU: sm_90a)")
-    mixed = flashinfer_call(*_inputs(kv_format="model1_fp8", extra_format="model1_nvfp4"), "sm_120a", WORKSPACE)
+    mixed = flashinfer_call(*_inputs(kv_format="model1_fp8", extra_format="model1_nvfp4"), arch="sm_120a",
+                            workspace=WORKSPACE)
     assert mixed.unavailable == "FlashInfer has no kv_cache_format for a model1_fp8 cache with a model1_nvfp4 " \
                                 "compressed cache"
-    assert "at most 128" in flashinfer_call(*_inputs(H=192), "sm_120a", WORKSPACE).unavailable
+    assert "at most 128" in flashinfer_call(*_inputs(H=192), arch="sm_120a", workspace=WORKSPACE).unavailable
     assert time_peer(mixed, _timed) == {"us": None, "not_available": mixed.unavailable} and not calls
     _flashinfer_module(monkeypatch, calls, kv_cache_format=False)  # a release before kv_cache_format
-    assert flashinfer_call(*inputs, "sm_120a", WORKSPACE).unavailable is None
+    assert flashinfer_call(*inputs, arch="sm_120a", workspace=WORKSPACE).unavailable is None
     assert "has no kv_cache_format: it reads MODEL1 FP8 caches only (this shape: model1_nvfp4)" in flashinfer_call(
-        *_inputs(kv_format="model1_nvfp4"), "sm_120a", WORKSPACE).unavailable
+        *_inputs(kv_format="model1_nvfp4"), arch="sm_120a", workspace=WORKSPACE).unavailable
     _flashinfer_module(monkeypatch, calls, dsv4=False)
-    assert flashinfer_call(*inputs, "sm_120a", WORKSPACE).unavailable == (
+    assert flashinfer_call(*inputs, arch="sm_120a", workspace=WORKSPACE).unavailable == (
         f"flashinfer {FLASHINFER_VERSION} has no trtllm_batch_decode_sparse_mla_dsv4")
     _flashinfer_module(monkeypatch, calls, raises=ValueError("Expected 8, 16, 32, 64, or 128 query heads\nmore"))
-    refused = time_peer(flashinfer_call(*inputs, "sm_120a", WORKSPACE), _timed)
+    refused = time_peer(flashinfer_call(*inputs, arch="sm_120a", workspace=WORKSPACE), _timed)
     assert refused == {"us": None, "not_available": "flashinfer.decode.trtllm_batch_decode_sparse_mla_dsv4 raised "
                                                     "ValueError: Expected 8, 16, 32, 64, or 128 query heads"}
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed: its import fails
-    assert flashinfer_call(*inputs, "sm_120a", WORKSPACE).unavailable == "not installed: pip install flashinfer-python"
+    assert (flashinfer_call(*inputs, arch="sm_120a", workspace=WORKSPACE).unavailable
+            == "not installed: pip install flashinfer-python")
 
 
 def _flash_mla_module(monkeypatch, calls: list):
@@ -533,7 +538,7 @@ def test_flashmla_gets_its_sparse_fp8_call_with_heads_padded_to_64(monkeypatch):
     calls = []
     sched_type = _flash_mla_module(monkeypatch, calls)
     q, cache, idx, kw = _inputs(H=16, extra_format="model1_fp8")
-    call = flashmla_call(q, cache, idx, kw, "sm_90a")
+    call = flashmla_call(q, cache, idx, kw=kw, arch="sm_90a")
     assert time_peer(call, _timed) == {"us": 7.25, "note": "query heads zero-padded 16 -> 64, as vLLM and SGLang pad "
                                                            "them"}
     (got,) = calls
@@ -545,21 +550,22 @@ def test_flashmla_gets_its_sparse_fp8_call_with_heads_padded_to_64(monkeypatch):
     assert got["attn_sink"].shape == (64,) and torch.equal(got["attn_sink"][:16], kw["attn_sink"])
     assert got["extra_k_cache"] is kw["extra_kv_cache"] and got["extra_indices_in_kvcache"].shape == (3, 1, 96)
     assert got["extra_topk_length"] is kw["extra_topk_length"]
-    v32 = flashmla_call(*_inputs(H=128, kv_format="v32_fp8", sink=False), "sm_90a")
+    v32 = flashmla_call(*_inputs(H=128, kv_format="v32_fp8", sink=False), arch="sm_90a")
     assert v32.note is None and v32.args[0].shape == (3, 1, 128, 576)
 
 
 def test_flashmla_says_why_it_does_not_run(monkeypatch):
     _flash_mla_module(monkeypatch, [])
-    assert flashmla_call(*_inputs(H=64), "sm_120a").unavailable == (
+    assert flashmla_call(*_inputs(H=64), arch="sm_120a").unavailable == (
         "FlashMLA's sparse decode runs on sm_90 / sm_100 only (this GPU: sm_120a)")
-    assert flashmla_call(*_inputs(H=64, kv_format="v41_fp8"), "sm_90a").unavailable.startswith(
+    assert flashmla_call(*_inputs(H=64, kv_format="v41_fp8"), arch="sm_90a").unavailable.startswith(
         "FlashMLA reads model1_fp8 and v32_fp8 caches")
-    assert "not model1_fp8 + model1_nvfp4" in flashmla_call(*_inputs(H=64, extra_format="model1_nvfp4"), "sm_90a"
-                                                            ).unavailable
+    assert "not model1_fp8 + model1_nvfp4" in flashmla_call(*_inputs(H=64, extra_format="model1_nvfp4"),
+                                                            arch="sm_90a").unavailable
     monkeypatch.setitem(sys.modules, "flash_mla", None)
-    assert flashmla_call(*_inputs(H=64), "sm_90a").unavailable.startswith("not installed")
-    assert [c.peer for c in peer_calls(*_inputs(H=64), "sm_90a", WORKSPACE)] == ["FlashInfer", "FlashMLA"]
+    assert flashmla_call(*_inputs(H=64), arch="sm_90a").unavailable.startswith("not installed")
+    called = peer_calls(*_inputs(H=64), arch="sm_90a", workspace=WORKSPACE)
+    assert [c.peer for c in called] == ["FlashInfer", "FlashMLA"]
 
 
 # ---------------------------------------------------------------------- on a GPU

@@ -17,8 +17,8 @@ from dispatch import plan_sparse_mla_decode, sparse_mla_decode
 from dispatch.adapters import (
     flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4, trtllm_batch_decode_with_kv_cache_mla,
 )
-from dispatch.lse import convert_lse
-from dispatch.testing import INT32_MAX, INT32_MIN, make_cache, make_indices
+from dispatch.runtime.lse import convert_lse
+from dispatch.tools.sample_inputs import INT32_MAX, INT32_MIN, make_cache, make_indices
 from tests.tolerances import LSE_TOL, check_against_reference, out_error_and_bound, rounding_floor, seed_for
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ def _gen(name: str) -> tuple[torch.Generator, int]:
 def _check(out, lse, q, cache, idx, kw, seed, what="", precision="f16"):
     """out / lse (natural lse, [T, H, 512] / [T, H]) against the reference of these inputs."""
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
-    floor = rounding_floor(precision, q, cache, idx, kw, ref_out)
+    floor = rounding_floor(precision, q, cache=cache, idx=idx, kw=kw, ref_out=ref_out)
     return check_against_reference(out, lse, ref_out, ref_lse, floor=floor, seed=seed, what=what)
 
 
@@ -387,11 +387,11 @@ def test_flash_mla_adapter_serves_v32():
 
 
 def test_one_shot_plan_cache_never_mixes_layouts():
-    """The one-shot call reuses a validated plan only for the same layout (``dispatch.plan_cache``):
+    """The one-shot call reuses a validated plan only for the same layout (``dispatch.runtime.plan_cache``):
     a tensor that differs in a stride, a dtype, a device or an optional input gets its own
     plan or its refusal, and every result matches the reference."""
     from dispatch.api import ONE_SHOT_PLANS, clear_plan_cache
-    from dispatch.metadata import InvalidDecodeInput
+    from dispatch.policy.call_metadata import InvalidDecodeInput
 
     gen, seed = _gen("one-shot plan cache")
     q, cache, idx, kw = _inputs(T=3, H=16, gen=gen, lengths=False)
@@ -488,7 +488,8 @@ def test_plan_cache_memory_stays_within_its_cap():
             if n % 5 == 0:
                 sub = slice(0, T, max(1, T // 8))
                 ref_out, _ = reference_decode(q[sub], cache, idx[sub], sm_scale=0.05)
-                floor = rounding_floor("f16", q[sub], cache, idx[sub], dict(sm_scale=0.05), ref_out)
+                floor = rounding_floor("f16", q[sub], cache=cache, idx=idx[sub], kw=dict(sm_scale=0.05),
+                                       ref_out=ref_out)
                 rel, bound = out_error_and_bound(out[sub].cpu(), ref_out.cpu(), floor.cpu())
                 assert (rel <= bound).all(), f"[seed {seed}] T={T}: out error {rel.max().item()} above its bound"
 

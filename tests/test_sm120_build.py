@@ -11,8 +11,8 @@ within its launch bound, and no MMA of a main loop waiting on the one just befor
 import pytest
 
 from cute_kernels.arch import DEPLOYMENT_ARCHS, SMEM_PER_CTA_MAX
-from dispatch.aot_build import up_to_date
-from dispatch.variants import variant_space
+from dispatch.policy.variant_space import variant_space
+from dispatch.tools.aot_build import up_to_date
 
 VARIANTS = [v for arch in DEPLOYMENT_ARCHS for v in variant_space(arch)]
 

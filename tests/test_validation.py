@@ -9,8 +9,8 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import GLM_NOPE_FP8, MODEL1_FP8, MODEL1_NVFP4, V32_FP8, V41_FP8, V41_NVFP4
 from dispatch import InvalidDecodeInput, sparse_mla_decode
-from dispatch.metadata import GENERIC_MODEL_TYPE
-from dispatch.testing import make_cache, make_indices
+from dispatch.policy.call_metadata import GENERIC_MODEL_TYPE
+from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.dispatch_inputs import (
     GLM_CACHE, GLM_POOL_CACHE, NVFP4_CACHE, V32_CACHE, V41_CACHE, V41_NVFP4_CACHE, _BATCHED, _EXTRA_IDX, _STRIDED_ROWS,
     _inputs,

@@ -1,7 +1,7 @@
 """The accuracy bounds of the GPU tests, in one place, and the check that applies them.
 
 The out bound and the rounding floors it is relative to are the package's
-(``dispatch/accuracy.py``, shared with ``dsv4-mla-check-aot``):
+(``dispatch/tools/accuracy.py``, shared with ``dsv4-mla-check-aot``):
 
 - out ("bf16", "f16"): per query token, the relative L2 error of out against the float64
   reference at most ``OUT_FLOOR_FACTOR`` times the error that rounding the reference itself
@@ -20,7 +20,7 @@ import zlib
 
 import torch
 
-from dispatch.accuracy import (  # noqa: F401  (the bounds the GPU tests import from here)
+from dispatch.tools.accuracy import (  # noqa: F401  (the bounds the GPU tests import from here)
     OUT_FLOOR_FACTOR, bf16_floor, out_error_and_bound, rel_l2_per_token, rounding_floor,
 )
 

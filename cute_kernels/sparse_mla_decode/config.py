@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
+from ..arch import BLOCK_SCALED_ARCHS, MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
 from . import tuning
 from .kv_format import DEFAULT_FORMAT, D_V, NOPE_TILE, KvFormat, get_format
 from .smem import Region, SmemPlan
 
-PRECISIONS = ("bf16", "f16", "fp8", "mxf8")
+PRECISIONS = ("bf16", "f16", "fp8", "mxf8")  # the compute paths (``docs/design.md``, "Precision")
+# the compute paths compiled only for some archs (the others: for every supported arch)
+PATH_ARCHS = {"mxf8": BLOCK_SCALED_ARCHS}  # SM120's block-scaled MMA
 HEAD_GROUPS = (1, 2)  # 16-head groups one partial-kernel CTA can cover (PartialConfig.head_groups)
 FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 4 for the rope dims)
 # "f16" path: the softmax runs on 8 warps (the nope warps, and MODEL1's rope warp with them)
@@ -23,16 +25,21 @@ F16_S_ROW = 40  # floats per head row of a warp's partial S: 32 entries + 8 (con
 F16_P_ROW_BYTES = 80  # bytes per head row of P in f16 or bf16: 32 entries + 8 (conflict-free ldmatrix)
 
 
-def precisions_of(fmt: KvFormat) -> tuple[str, ...]:
-    """The compute paths a format has: "mxf8" (the block-scaled MMA takes UE8M0 scale bytes)
-    only for UE8M0 scales; FP32 scales are applied after the MMA; e2m1 values (NVFP4) only
-    "f16" (value times scale becomes an exact f16 operand in registers); UE8M0 scales per 32
-    dims (DeepSeek-V4.1) "f16" and "bf16" (the FP8 paths apply one scale per 64-dim MMA unit)."""
-    if fmt.e2m1:
-        return ("f16",)
-    if fmt.scale_type == "ue8m0" and fmt.scale_group != NOPE_TILE:
-        return ("f16", "bf16")
-    return tuple(p for p in PRECISIONS if p != "mxf8" or fmt.scale_type == "ue8m0")
+def path_problem(path: str, fmt: KvFormat) -> str | None:
+    """Why the kernel of compute path ``path`` cannot read ``fmt``'s caches, None where it can:
+    e2m1 values (NVFP4) only "f16" (value times scale becomes an exact f16 operand in
+    registers); the FP8 paths apply one scale per 64-dim MMA unit (not UE8M0 per 32, V4.1);
+    "mxf8" only UE8M0 scales (the block-scaled MMA takes the scale bytes themselves). A
+    format declares its paths (``KvFormat.paths``); this is what the declaration must meet."""
+    if path not in PRECISIONS:
+        return f"precision {path!r} is not one of {PRECISIONS}"
+    if fmt.e2m1 and path != "f16":
+        return "e2m1 values are read by the \"f16\" path only"
+    if path in ("fp8", "mxf8") and fmt.scale_group < NOPE_TILE:
+        return f"the FP8 paths apply one scale per {NOPE_TILE}-dim MMA unit, not per {fmt.scale_group} dims"
+    if path == "mxf8" and fmt.scale_type != "ue8m0":
+        return f"the block-scaled MMA takes UE8M0 scale bytes, not {fmt.scale_type} scales"
+    return None
 
 
 @dataclass(frozen=True)
@@ -176,8 +183,11 @@ class PartialConfig:
     def check(self) -> None:
         """Raise ValueError when this configuration cannot be generated."""
         fmt = get_format(self.kv_format)
-        if self.precision not in precisions_of(fmt):
-            raise ValueError(f"precision {self.precision!r} does not read {fmt.name} caches (one of {precisions_of(fmt)})")
+        if self.precision not in fmt.paths:
+            raise ValueError(f"precision {self.precision!r} does not read {fmt.name} caches (one of {fmt.paths})")
+        if path_problem(self.precision, fmt):
+            raise ValueError(f"{fmt.name} declares precision {self.precision!r}, which cannot read it: "
+                             f"{path_problem(self.precision, fmt)}")
         if self.has_sink and not self.final_output:
             raise ValueError("has_sink needs final_output (the merge kernel applies the sink otherwise)")
         if self.precision not in PRECISIONS:

@@ -18,7 +18,7 @@ reads the main cache, the rest the extra cache. A CTA walks the chunks of its sp
   NaN is NaN).
 
 The row of slot s lives in page block s // page (the division by the host's multiplier,
-``cache_format.page_division_magic``), at ``block * block_stride + (s % page) * row_stride``
+``cache_view.page_division_magic``), at ``block * block_stride + (s % page) * row_stride``
 (a footer format: ``row_bytes``, a compile-time constant); a footer format's scales sit in
 the block's footer at ``page * row_bytes + (s % page) * footer_bytes``.
 
@@ -211,7 +211,7 @@ class ChunkGather:
         """(row address, scale record address) of cache slot ``slot`` (>= 0) in a paged cache
         at ``base``; the scale record address is None for an inline format (the scales come with
         the row). The block is slot // page by the host's multiplier
-        (``cache_format.page_division_magic``)."""
+        (``cache_view.page_division_magic``)."""
         fmt = self.fmt
         blk = Int32((Int64(slot) * (magic & 0xFFFFFFFF)) >> (magic >> 32))
         off = slot - blk * page

@@ -7,8 +7,8 @@ in the order its schema lists them, the stream last. From the schema come
   launcher (what the DSL marshals and what an exported object's C header declares);
 - ``fake_args(schema)``: the compile-time stand-ins (``cute.compile`` with no tensors, no GPU);
 - ``KernelParams``: the values inside the kernel, by name (``p.main_page``);
-- the host side's packing (``dispatch.launcher``: one C slot per argument, its kind and
-  pointer alignment) and the plan's argument list (``dispatch.plan``: a value per name).
+- the host side's packing (``dispatch.runtime.launcher``: one C slot per argument, its kind and
+  pointer alignment) and the plan's argument list (``dispatch.runtime.plan``: a value per name).
 
 This module imports no CUTLASS at import time: the dispatch reads the schema on any machine.
 """
@@ -39,7 +39,7 @@ def _list_args(which: str) -> tuple[Arg, ...]:
     return (
         Arg(f"{which}_cache", "ptr", "u8", 16),  # page blocks, 16-byte aligned
         Arg(f"{which}_page", "i32"),  # tokens per page block
-        Arg(f"{which}_page_magic", "i64"),  # cache_format.page_division_magic(page)
+        Arg(f"{which}_page_magic", "i64"),  # cache_view.page_division_magic(page)
         Arg(f"{which}_block_stride", "i64"),  # bytes between page blocks
         Arg(f"{which}_row_stride", "i64"),  # bytes between a block's rows (inline-scale formats)
         Arg(f"{which}_num_slots", "i32"),  # slots in the cache: larger ones are never read
@@ -138,7 +138,7 @@ def fake_args(schema: tuple[Arg, ...]) -> list:
 
 def argument_kinds(schema: tuple[Arg, ...]) -> list:
     """Per argument: its kind, and for a pointer the DSL dtype and alignment the compiled
-    kernel assumes (what ``dispatch.launcher`` packs and checks)."""
+    kernel assumes (what ``dispatch.runtime.launcher`` packs and checks)."""
     return [(a.kind, _dsl_dtype(a.dtype), a.align) if a.kind == "ptr" else (a.kind,) for a in schema]
 
 

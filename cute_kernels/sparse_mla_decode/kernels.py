@@ -2,7 +2,7 @@
 
 Each partial-kernel class says beside its definition which compute paths
 (``PartialConfig.precision``) it generates (``PATHS``); ``kernel_for`` builds the kernel object
-of a configuration from that, and the loader asks it (``dispatch.loader.build_kernel``).
+of a configuration from that, and the loader asks it (``dispatch.runtime.loader.build_kernel``).
 Importing this module imports the CuTe DSL: the dispatch imports it only to compile.
 """
 

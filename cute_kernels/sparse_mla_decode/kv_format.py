@@ -20,7 +20,7 @@ block (the block stride a whole number of rows). The two agree when blocks carry
 (block_stride == P * row_stride); b12x's V4.1 writer and reader use paged addressing
 (``(s // P) * block_stride + (s % P) * row_stride``), which differs from FlashInfer's for
 padded blocks. The kernels see one addressing: flat rows are paged rows with P = R
-(``cache_format.CacheView.index_page``).
+(``cache_view.CacheView.index_page``).
 
 The cache validation, packers, unpacker, reference, the kernels' gather and dequantization,
 the variant key, the AOT registry and the error messages all take their facts from here; the
@@ -41,7 +41,14 @@ D_V = 512  # every format's value width: the output rows and the merge kernel's
 class KvFormat:
     """One cache format (module docstring). ``model_type`` starts every refusal message of a
     call on such a cache; ``row_pitches``: the inline row strides a 2-D (flat) view may
-    imply, the first the default."""
+    imply, the first the default.
+
+    What the library serves of it is declared here and read everywhere else (validation, the
+    variant space, the AOT registry, the adapters, the self-test): ``paths``, the compute
+    paths that read it (``config.PRECISIONS`` names, in that order; ``config.path_problem``
+    says what each path's kernel can read); ``extras``, the formats an extra (compressed)
+    cache beside a main cache of this one may have (the model's combinations; none: no extra
+    cache); ``main``, whether it is read as a main cache at all (False: only as an extra)."""
 
     name: str
     model_type: str
@@ -52,6 +59,9 @@ class KvFormat:
     scale_type: str
     scale_group: int
     scale_placement: str  # "footer" | "inline"
+    paths: tuple[str, ...]
+    extras: tuple[str, ...] = ()
+    main: bool = True
     footer_pad: int = 0
     row_pitches: tuple[int, ...] = ()
     element: str = "e4m3"  # the nope values: "e4m3" (a byte each) | "e2m1" (two to a byte)
@@ -104,7 +114,7 @@ class KvFormat:
     @property
     def view_widths(self) -> tuple[int, ...]:
         """The last dimensions a 4-D view of such a cache may have: a footer format's bytes
-        per token; an inline format's row bytes and row pitches (``cache_format``)."""
+        per token; an inline format's row bytes and row pitches (``cache_view``)."""
         if not self.inline:
             return (self.bytes_per_token,)
         return tuple(sorted({self.row_bytes, *self.row_pitches}))
@@ -176,42 +186,43 @@ class KvFormat:
 MODEL1_FP8 = KvFormat(
     name="model1_fp8", model_type="DeepSeek-V4 sparse MLA decode (MODEL1 FP8 cache, 584 B per token)",
     nope_dims=448, rope_dims=64, rope_in_v=True, scale_type="ue8m0", scale_group=64, scale_placement="footer",
-    footer_pad=1,
+    paths=("bf16", "f16", "fp8", "mxf8"), extras=("model1_fp8", "model1_nvfp4"), footer_pad=1,
 )
 V32_FP8 = KvFormat(
     name="v32_fp8", model_type="DeepSeek-V3.2 / GLM-5 sparse MLA decode (656 B FP8 rows, FP32 scales)",
     nope_dims=512, rope_dims=64, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
-    row_pitches=(656,),
+    paths=("bf16", "f16", "fp8"), row_pitches=(656,),
 )
 MODEL1_NVFP4 = KvFormat(
     name="model1_nvfp4", model_type="DeepSeek-V4 sparse MLA decode (NVFP4 cache, 384 B per token)",
     nope_dims=448, rope_dims=64, rope_in_v=True, scale_type="e4m3", scale_group=16, scale_placement="footer",
-    footer_pad=4, element="e2m1",
+    paths=("f16",), extras=("model1_nvfp4", "model1_fp8"), footer_pad=4, element="e2m1",
 )
 GLM_NOPE_FP8 = KvFormat(
     name="glm_nope_fp8", model_type="GLM-5.3 sparse MLA decode (528 B rope-free FP8 rows, FP32 scales)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
-    row_pitches=(528, 656),
+    paths=("bf16", "f16", "fp8"), row_pitches=(528, 656),
 )
 
 V41_FP8 = KvFormat(
     name="v41_fp8", model_type="DeepSeek-V4.1 sparse MLA decode (528 B FP8 rows, footer UE8M0 scales per 32)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="ue8m0", scale_group=32, scale_placement="footer",
+    paths=("bf16", "f16"), extras=("v41_fp8", "v41_nvfp4"),
 )
 V41_FP8_INLINE = KvFormat(
     name="v41_fp8_inline", model_type="DeepSeek-V4.1 sparse MLA decode (528 B FP8 records, inline UE8M0 per 32)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="ue8m0", scale_group=32, scale_placement="inline",
-    row_pitches=(528,), flat_rows=True,
+    paths=("bf16", "f16"), extras=("v41_fp8_inline", "v41_nvfp4_inline"), row_pitches=(528,), flat_rows=True,
 )
 V41_NVFP4 = KvFormat(
     name="v41_nvfp4", model_type="DeepSeek-V4.1 sparse MLA decode (288 B NVFP4 extra rows, footer E4M3 scales)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="e4m3", scale_group=16, scale_placement="footer",
-    element="e2m1",
+    paths=("f16",), main=False, element="e2m1",
 )
 V41_NVFP4_INLINE = KvFormat(
     name="v41_nvfp4_inline", model_type="DeepSeek-V4.1 sparse MLA decode (288 B NVFP4 extra records, inline "
     "E4M3 scales)", nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="e4m3", scale_group=16,
-    scale_placement="inline", row_pitches=(288,), flat_rows=True, element="e2m1",
+    scale_placement="inline", paths=("f16",), main=False, row_pitches=(288,), flat_rows=True, element="e2m1",
 )
 
 FORMATS = {f.name: f for f in (MODEL1_FP8, MODEL1_NVFP4, V32_FP8, GLM_NOPE_FP8, V41_FP8, V41_FP8_INLINE, V41_NVFP4,
@@ -223,18 +234,15 @@ DEFAULT_FORMAT = MODEL1_FP8.name
 # 528-byte row (GLM-5.3, V4.1 FP8) and a 288-byte one (V4.1 NVFP4) must be named
 FORMAT_BY_WIDTH = {MODEL1_FP8.bytes_per_token: MODEL1_FP8.name, MODEL1_NVFP4.bytes_per_token: MODEL1_NVFP4.name,
                    V32_FP8.row_bytes: V32_FP8.name}
-# which formats a main cache of one format may be combined with as the extra (compressed)
-# cache: the models' combinations. DeepSeek-V4: its FP8 or NVFP4 record for either cache (a
-# deployment may keep the compressed cache in the smaller record, or the sliding window);
-# DeepSeek-V4.1: an FP8 sliding-window cache with an FP8 or NVFP4 compressed cache, both with
-# the same scale placement (FlashInfer's footer route, or FlashMLA's V4.1 inline records).
-# The extra cache's format: ``cache_format.extra_format_of``.
-EXTRA_FORMATS = {MODEL1_FP8.name: (MODEL1_FP8.name, MODEL1_NVFP4.name),
-                 MODEL1_NVFP4.name: (MODEL1_NVFP4.name, MODEL1_FP8.name),
-                 V41_FP8.name: (V41_FP8.name, V41_NVFP4.name),
-                 V41_FP8_INLINE.name: (V41_FP8_INLINE.name, V41_NVFP4_INLINE.name)}
-# formats served only as an extra cache (no model reads them as its main cache)
-EXTRA_ONLY_FORMATS = tuple(sorted({e for extras in EXTRA_FORMATS.values() for e in extras} - set(EXTRA_FORMATS)))
+# The pairings and the extra-only formats, as the formats declare them (``KvFormat.extras``,
+# ``KvFormat.main``), for readers of the whole table. The models' combinations: DeepSeek-V4,
+# its FP8 or NVFP4 record for either cache (a deployment may keep the compressed cache in the
+# smaller record, or the sliding window); DeepSeek-V4.1, an FP8 sliding-window cache with an
+# FP8 or NVFP4 compressed cache, both with the same scale placement (FlashInfer's footer
+# route, or FlashMLA's V4.1 inline records). The extra cache's format:
+# ``cache_view.extra_format_of``.
+EXTRA_FORMATS = {f.name: f.extras for f in FORMATS.values() if f.extras}
+EXTRA_ONLY_FORMATS = tuple(sorted(f.name for f in FORMATS.values() if not f.main))
 
 
 def get_format(name: str) -> KvFormat:

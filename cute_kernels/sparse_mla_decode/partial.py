@@ -6,7 +6,7 @@ first, then extra. Grid: (num_tokens x ceil(H / heads_per_cta), launch_splits); 
 chunks [s * chunks_per_split, (s + 1) * chunks_per_split) and writes split s of the partial
 outputs [T, num_splits, H, 512] (a call whose two lists have two formats launches a kernel per
 list; the second's o_part and lse_part start at the first's splits' end, so that its splits
-follow them: ``dispatch.plan.DecodePlan._extra_list_values``). Per chunk: the gather lands the
+follow them: ``dispatch.runtime.plan.DecodePlan._extra_list_values``). Per chunk: the gather lands the
 selected rows in shared memory (``gather.py``), QK and PV run on ``mma.sync``, an online
 softmax joins them (``softmax.py``); the outputs are the split's normalized partial and lse,
 or, with one split, the final bf16 output and natural-log lse (``epilogue.py``).

@@ -6,7 +6,7 @@ For each query token t and head h, over the valid entries j of the main list and
 extra list together (ONE softmax):
 
 - an entry is valid when it lies before ``topk_length[t]`` (clamped to [0, topk]) and its
-  index is in ``[0, num_slots)`` (``cache_format.CacheView``: ``num_blocks * P``, or for a
+  index is in ``[0, num_slots)`` (``cache_view.CacheView``: ``num_blocks * P``, or for a
   flat-row format every row inside the tensor's storage); ``-1`` and any other index are
   ignored, never read;
 - s_j = sm_scale * <q[t, h], k_j>; lse = ln(sum_j exp(s_j)); out = sum_j softmax(s)_j * v_j,
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache_format import extra_format_of, format_of, gather_slot_parts, read_cache_view
+from .cache_readers import gather_slot_parts
+from .cache_view import extra_format_of, format_of, read_cache_view
 
 
 def valid_entries(indices: torch.Tensor, num_slots: int, topk_length: torch.Tensor | None) -> torch.Tensor:
@@ -64,7 +65,7 @@ def reference_decode(
     """Return ``(out [T, H, d_v], lse [T, H])`` in ``dtype`` (float64 by default: the test
     oracle) for ``q [T, H, d_qk]``, ``indices [T, topk]``. ``kv_format``: the main cache's
     format (None: by the cache's width); ``extra_kv_format``: the extra cache's (None: as the
-    API reads it, ``cache_format.extra_format_of``: the main's format where the extra
+    API reads it, ``cache_view.extra_format_of``: the main's format where the extra
     cache's width is one of its, else the one its width names). The cache values are exact
     in float32, so ``dtype`` decides only the arithmetic's rounding. ``sm_scale`` defaults to
     the main format's."""

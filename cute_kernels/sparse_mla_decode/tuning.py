@@ -46,14 +46,14 @@ DEQUANT_VALUES = 16
 # values: 8 keeps many merge CTAs per SM, 32 serves the many-split calls of few tokens.  [merge_batches]
 MERGE_BATCHES = (8, 32)
 
-# ---------------------------------------------------------------- work split (dispatch.splits)
+# ---------------------------------------------------------------- work split (dispatch.policy.splits)
 # one chunk per split when the grid needs splits at all.  [min_chunks_per_split]
 MIN_CHUNKS_PER_SPLIT = 1
 # CTAs of this many chunks or fewer, two to an SM: one CTA per SM with more chunks instead;
 # where that leaves two splits, one split and no merge.  [max_chunks_two_per_sm]
 MAX_CHUNKS_TWO_PER_SM = 3
 
-# ---------------------------------------------------------------- head groups (dispatch.variants)
+# ---------------------------------------------------------------- head groups (dispatch.policy.variant_space)
 # "bf16" / FP8 paths: 32-head CTAs from this many 16-head blocks per call with this many
 # entries per token (or whenever the 16-head blocks outnumber the SMs).  [two_groups_min_blocks]
 TWO_GROUPS_MIN_BLOCKS = 32

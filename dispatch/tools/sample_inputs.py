@@ -1,15 +1,16 @@
 """Random sparse-MLA decode inputs: caches of every format (``kv_format.FORMATS``) and lists of
 slots, for trying the kernels, tests and benchmarks (CPU or GPU tensors; the packer is the
-package's own, ``cute_kernels.sparse_mla_decode.cache_format.pack_latent``)."""
+package's own, ``cute_kernels.sparse_mla_decode.cache_writers.pack_latent``)."""
 
 from __future__ import annotations
 
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import ALIGN, FLT_MIN, default_block_stride, pack_latent
+from cute_kernels.sparse_mla_decode.cache_view import ALIGN, default_block_stride
+from cute_kernels.sparse_mla_decode.cache_writers import FLT_MIN, pack_latent
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 
-from .api import INT32_MAX
+from ..api import INT32_MAX
 
 INT32_MIN = -(2**31)
 LAYOUTS = ("nhd", "hnd", "flat", "fp8")
@@ -30,7 +31,7 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
                gen: torch.Generator | None = None, spread: int = 0, tiny: bool = False, writer: str | None = None,
                scale_spread: float = 0.0) -> torch.Tensor:
     """A random ``kv_format`` cache of ``num_blocks`` page blocks of ``page`` tokens, as ``writer``
-    (``cache_format.WRITERS``; None: the format's default) writes it.
+    (``cache_writers.WRITERS``; None: the format's default) writes it.
 
     Every byte that holds no data is 0xFF (NaN as e4m3, bf16 and FP32; UE8M0 scale 2**128), so
     that a kernel that reads one produces NaN: the padding between blocks (``block_stride``
@@ -114,7 +115,8 @@ def make_cache(num_blocks: int, page: int, *, device, kv_format: str = "model1_f
             low, high = (0, 3) if fmt.scale_type == "ue8m0" else (1, 9)
             records[...] = torch.randint(low, high, shape, generator=gen, dtype=torch.uint8).to(device)
         else:
-            factor = torch.where(torch.rand(shape, generator=gen) < 0.25, 1.0, 1.0 + 3.0 * torch.rand(shape, generator=gen))
+            factor = torch.where(torch.rand(shape, generator=gen) < 0.25, 1.0, 1.0 + 3.0 * torch.rand(shape,
+                                                                                                      generator=gen))
             scales = (FLT_MIN * factor).float()
             records[...] = scales.view(torch.uint8).reshape(num_blocks, page, fmt.scale_bytes).to(device)
     if not fmt.inline:

@@ -38,7 +38,7 @@ import threading
 
 import torch
 
-from .plan import DecodePlan, _raw_stream
+from .plan import DecodePlan, raw_stream
 
 DEFAULT_ENTRIES = 256  # layouts kept; an engine's steady state uses a few dozen
 # buffer bytes kept: the scratch of a decode step's split plan (T x splits x H x 2 KB: 33 MB
@@ -61,7 +61,7 @@ def _env_cap(name: str, default: int, least: int) -> int:
     return value
 
 
-def layout_key(tensors: tuple, *names) -> tuple:
+def layout_key(tensors: tuple, names: tuple) -> tuple:
     """The layout key of a call's tensors (``DecodePlan``'s run order; None for an absent
     one) and ``names`` (the format and precision asked for, ...). Raises AttributeError for an
     argument that is not a tensor (the caller then validates the call in full, which refuses
@@ -140,7 +140,7 @@ class PlanCache:
         makes one): the kept one, grown where the byte cap allows, else one of the call's own."""
         if _capturing():
             return allocate()
-        slot = (kind, device_index, _raw_stream(device_index))
+        slot = (kind, device_index, raw_stream(device_index))
         kept = self._buffers.get(slot)
         if kept is not None and kept[1] >= nbytes:
             return kept[0]

@@ -14,12 +14,12 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-from .variants import KernelVariant
+from ..policy.variant_space import KernelVariant
 
 FIELDS = ("name", "arch", "dsl_version", "dsl_libs", "project_version", "source_hash")
 DISTRIBUTION = "dsv4-sparse-mla"
 
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _project_version() -> str:
@@ -44,7 +44,7 @@ def _project_version() -> str:
 PROJECT_VERSION = _project_version()
 
 # Every file whose content can change a generated binary.
-_SOURCES = ("cute_kernels", "dispatch/loader.py", "dispatch/variants.py")
+_SOURCES = ("cute_kernels", "dispatch/runtime/loader.py", "dispatch/policy/variant_space.py")
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,13 +5,13 @@ correct results: ``dsv4-mla-check-aot``.
     dsv4-mla-check-aot --aot-dir build/aot                   # on the GPU, a fresh process
     dsv4-mla-check-aot                                       # the manifest of an installed wheel
 
-Runs every shape of ``dispatch.registry.DEPLOYMENT_SHAPES`` (every cache format, each on a
+Runs every shape of ``dispatch.policy.registry.DEPLOYMENT_SHAPES`` (every cache format, each on a
 cache of its format) at one token and at 300 tokens (one split and several) in every compute
 path the GPU's arch has for the shape's format (``format_precisions``: "mxf8" only for UE8M0
 scales and where the block-scaled MMA exists), cycling through the optional inputs so that
 every registry variant is used, with compiling switched off (a missing variant raises). Every
 ``SPOT_EVERY``-th shape is spot-checked at both token counts (up to ``SPOT_TOKENS`` of its
-tokens) against the float64 reference, with the bound the tests use (``dispatch.accuracy``:
+tokens) against the float64 reference, with the bound the tests use (``dispatch.tools.accuracy``:
 per token, the relative L2 error of out at most twice the rounding floor of the case). Prints
 one JSON line: calls, compiles, variants loaded, the time of the first call, the spot checks
 and the worst error / bound among them. Exits 1 when anything was compiled or a spot check
@@ -44,7 +44,7 @@ def _token_subset(T: int, kw: dict):
     return rows, {k: (v[rows.to(v.device)] if k in per_token else v) for k, v in kw.items()}
 
 
-def spot_check(precision: str, q, cache, idx, kw, out) -> tuple[float, list[int]]:
+def spot_check(precision: str, q, *, cache, idx, kw, out) -> tuple[float, list[int]]:
     """``out`` of a call against the float64 reference on a subset of its tokens: (worst
     error / bound, the tokens above their bound)."""
     import torch
@@ -57,7 +57,7 @@ def spot_check(precision: str, q, cache, idx, kw, out) -> tuple[float, list[int]
     rows_dev = rows.to(q.device)
     qs, idxs = q[rows_dev], idx[rows_dev]
     ref_out, _ = reference_decode(qs, cache, idxs, **sub)
-    floor = rounding_floor(precision, qs, cache, idxs, sub, ref_out)
+    floor = rounding_floor(precision, qs, cache=cache, idx=idxs, kw=sub, ref_out=ref_out)
     rel, bound = out_error_and_bound(out[rows_dev], ref_out, floor)
     ratio = torch.where(bound > 0, rel / bound.clamp_min(1e-300), torch.where(rel > 0, torch.inf, 0.0))
     return ratio.max().item(), rows[rel > bound].tolist()
@@ -71,7 +71,7 @@ def extra_format(shape) -> str:
 def shape_caches(shapes, gen, device="cuda") -> dict:
     """A random cache per (format, page) the ``shapes`` read (main and extra caches), each of
     16384 tokens (at least 4 blocks)."""
-    from .testing import make_cache
+    from .sample_inputs import make_cache
 
     needed = ({(s.kv_format, s.page_block_size) for s in shapes} |
               {(extra_format(s), s.extra_page_block_size) for s in shapes if s.extra_topk})
@@ -114,9 +114,10 @@ def serve_registry(aot_dir: str | None) -> int:
 
     from cute_kernels.arch import arch_for_capability
 
-    from . import loader, sparse_mla_decode
-    from .registry import DEPLOYMENT_SHAPES
-    from .variants import format_precisions, precisions_for
+    from ..runtime import loader
+    from .. import sparse_mla_decode
+    from ..policy.registry import DEPLOYMENT_SHAPES
+    from ..policy.precision import format_precisions, precisions_for
 
     arch = arch_for_capability(torch.cuda.get_device_capability())
     if arch is None:
@@ -144,7 +145,7 @@ def serve_registry(aot_dir: str | None) -> int:
                 calls += 1
                 used.update(v.name for v in loader._compiled)
                 if i % SPOT_EVERY == 0:
-                    ratio, bad = spot_check(precision, q, cache, idx, kw, out)
+                    ratio, bad = spot_check(precision, q, cache=cache, idx=idx, kw=kw, out=out)
                     checks += 1
                     worst = max(worst, ratio)
                     if bad:
@@ -164,8 +165,9 @@ _ONE = """
 import json
 import torch
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
-from dispatch import loader, sparse_mla_decode
-from dispatch.testing import make_cache
+from dispatch import sparse_mla_decode
+from dispatch.runtime import loader
+from dispatch.tools.sample_inputs import make_cache
 loader.set_aot_dir({empty!r})
 loader.PACKAGE_AOT_DIR = loader.Path({empty!r})
 cache = make_cache(8, 64, device="cuda")
@@ -187,7 +189,8 @@ def disk_cache() -> int:
     for _ in range(2):
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-        results.append({**json.loads(out.stdout.strip().splitlines()[-1]), "process_seconds": round(time.perf_counter() - t0, 2)})
+        results.append({**json.loads(out.stdout.strip().splitlines()[-1]),
+                        "process_seconds": round(time.perf_counter() - t0, 2)})
     print(json.dumps({"first_process": results[0], "second_process": results[1]}))
     ok = results[0]["compiled"] >= 1 and results[1]["compiled"] == 0 and results[1]["disk_loaded"] >= 1
     return 0 if ok else 1

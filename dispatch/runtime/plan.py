@@ -18,72 +18,27 @@ overhead: ``docs/performance.md``).
 from __future__ import annotations
 
 import functools
-import math
 import operator
 import threading
 
 import torch
 
-from cute_kernels.sparse_mla_decode.cache_format import page_division_magic
+from cute_kernels.sparse_mla_decode.cache_view import page_division_magic
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
 from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 from cute_kernels.sparse_mla_decode.kv_format import D_V
 
+from ..policy.selection import PlanOverrides, select_kernels
+from ..policy.variant_space import variant_space
 from . import loader
-from .selection import PlanOverrides, select_kernels
-from .variants import variant_space
+from .decode_inputs import (
+    BIND_KEYS, SCALE_RULE, DecodeTensors, byte_span, layout_signature, overlap_problem, overlapping_output, scale_log2,
+)
 
 SCRATCH_ALIGN = 256
 # the current stream's raw handle: torch's fast accessor where the build has it (CUDA builds do)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
-
-
-def layout_signature(t):
-    """What a plan fixes about a tensor: shape, strides, dtype and device (None for an absent
-    input). ``plan_cache.layout_key`` is the same per tensor, inlined on its hot path."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
-FLT_MAX = 3.4028234663852886e38  # the largest finite float32
-FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
-
-
-def scale_log2(sm_scale, default: float) -> float | None:
-    """``sm_scale`` (None: ``default``) times log2(e), the kernels' float32 argument; None
-    unless it is a real Python number (not a bool) whose product is 0 or a normal float32
-    (an ``sm_scale`` finite as a Python float can still become inf, 0 or a subnormal as the
-    kernels' float32: 1e300, 1e-50), what ``validate_call`` accepts."""
-    if sm_scale is None:
-        sm_scale = default
-    elif type(sm_scale) is not float:
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-            return None
-        sm_scale = float(sm_scale)
-    value = sm_scale * LOG2_E
-    if value != 0.0 and not FLT_MIN <= abs(value) <= FLT_MAX:  # NaN fails both comparisons
-        return None
-    return value
-
-
-# what an sm_scale must be, as every refusal of one says it (``scale_log2``)
-SCALE_RULE = ("sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32 (the "
-              "kernels' argument: finite, at least 1.2e-38 in magnitude)")
-
-
-def overlap_problem(overlap: tuple[str, str]) -> str:
-    """The refusal of an ``overlapping_output`` finding, as every path words it."""
-    written, other = overlap
-    return (f"{written} overlaps {other} in memory; the kernels write {written} while they read the inputs: give "
-            f"it memory of its own")
-
-
-def byte_span(t: torch.Tensor) -> int:
-    """The bytes from ``t``'s first element to one past its last (0 for an empty tensor):
-    what two tensors must not share for one to be written while the other is read."""
-    if t.numel() == 0:
-        return 0
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _aligned(address: int) -> int:
@@ -100,33 +55,10 @@ class Bind:
         self.key, self.offset = key, offset
 
 
-# run()'s and bind()'s tensor arguments, the one list of them: (argument name, address key in
-# the bindings); the order of every per-call value list below
-RUN_TENSORS = (("q", "q"), ("kv_cache", "main"), ("indices", "indices"), ("topk_length", "topk_length"),
-                ("attn_sink", "attn_sink"), ("out", "out"), ("lse", "lse"), ("extra_kv_cache", "extra"),
-                ("extra_indices", "extra_indices"), ("extra_topk_length", "extra_topk_length"))
-# where the outputs sit in that order
-_OUT, _LSE = (next(i for i, (name, _) in enumerate(RUN_TENSORS) if name == n) for n in ("out", "lse"))
-
-
-def overlapping_output(addresses, spans, present) -> tuple[str, str] | None:
-    """(output, other) names of the first output (out, lse) whose bytes overlap another
-    tensor's (any input, or the other output), None when none does: the kernels write the
-    outputs while they read the inputs. ``addresses`` / ``spans``: per ``RUN_TENSORS`` entry
-    (``byte_span``); ``present``: the indices of the tensors given."""
-    for o in (_OUT, _LSE):
-        low = addresses[o]
-        high = low + spans[o]
-        for i in present:
-            if i != o and addresses[i] < high and low < addresses[i] + spans[i]:
-                return RUN_TENSORS[o][0], RUN_TENSORS[i][0]
-    return None
-
-
-# those arguments' values, in that order, from the locals of run() / bind()
-_given = operator.itemgetter(*(name for name, _ in RUN_TENSORS))
+# run()'s and bind()'s tensor arguments, from their locals, in ``DecodeTensors`` order
+_given = operator.itemgetter(*DecodeTensors._fields)
 # every per-call value a Bind can name, by its position in the list run() fills
-_VALUE_KEYS = tuple(key for _, key in RUN_TENSORS) + ("sm_scale_log2", "scratch", "stream")
+_VALUE_KEYS = tuple(BIND_KEYS.values()) + ("sm_scale_log2", "scratch", "stream")
 _POSITION = {key: i for i, key in enumerate(_VALUE_KEYS)}
 
 
@@ -149,10 +81,10 @@ class DecodePlan:
     def __init__(self, call, overrides: PlanOverrides | None = None):
         """``call`` is a validated call (``dispatch.api.validate_call``); ``overrides`` forces
         choices the dispatch would make (``PlanOverrides``)."""
-        selection = select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision,
-                                   overrides)
+        selection = select_kernels(call.launch_metadata, call.arch, num_sms=call.num_sms, smem_per_sm=call.smem_per_sm,
+                                   precision=call.precision, overrides=overrides)
         self.device_index = call.device_index
-        self.device = call.q.device
+        self.device = call.tensors.q.device
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
         self.topk, self.extra_topk = call.topk, call.extra_topk
         self.precision = call.precision
@@ -175,8 +107,9 @@ class DecodePlan:
             self.scratch_bytes += SCRATCH_ALIGN  # room to align the start
         # the exact layout every run must present: (name, (shape, strides, dtype) or None), in
         # run()'s argument order
-        self._inputs = tuple((name, layout_signature(getattr(call, name))) for name, _ in RUN_TENSORS)
-        present = {key for (_, key), (_, sig) in zip(RUN_TENSORS, self._inputs) if sig is not None}
+        tensors = call.tensors
+        self._inputs = tuple((name, layout_signature(t)) for name, t in zip(DecodeTensors._fields, tensors))
+        present = {BIND_KEYS[name] for name, sig in self._inputs if sig is not None}
         values = self._argument_values(call, present)
         if self.extra_split is None:  # the partial kernel (both lists), then the merge where split
             schemas, launches = (PARTIAL_ARGS, MERGE_ARGS)[:len(self.variants)], [values, values]
@@ -191,14 +124,12 @@ class DecodePlan:
             for a, v in zip(schema, args):
                 if isinstance(v, Bind) and a.kind == "ptr":
                     align[v.key] = max(align.get(v.key, 1), a.align)
-        self._aligns = tuple(align.get(key, 1) for _, key in RUN_TENSORS)
+        self._aligns = tuple(align.get(key, 1) for key in BIND_KEYS.values())
         # the planned layout's byte spans (``overlapping_output``: checked on every launch)
-        self._spans = tuple(0 if getattr(call, name) is None else byte_span(getattr(call, name))
-                            for name, _ in RUN_TENSORS)
+        self._spans = tuple(0 if t is None else byte_span(t) for t in tensors)
         self._present = tuple(i for i, span in enumerate(self._spans) if span)
         self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
-        example = ([0 if getattr(call, name) is None else getattr(call, name).data_ptr() for name, _ in RUN_TENSORS]
-                   + [call.sm_scale * LOG2_E, 0, 0])
+        example = [0 if t is None else t.data_ptr() for t in tensors] + [call.sm_scale * LOG2_E, 0, 0]
         self._kernels = self._make_kernels(example)
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
 
@@ -358,10 +289,9 @@ class DecodePlan:
         tensors = tuple(t for t in given + (scratch if self.scratch_bytes else None,) if t is not None)
         return BoundDecode(self, self._make_kernels(values + [0]), tensors, out, lse)
 
-    def launch_laid_out(self, given: tuple, sm_scale, scratch) -> bool:
-        """Launch on tensors (``given``: run()'s tensor arguments in its order, None where
-        absent) whose layout is known to be the planned one: the one-shot call's plan cache
-        compared it (``plan_cache``). Checks only what the layout does not fix, each address's
+    def launch_laid_out(self, given: DecodeTensors, sm_scale, scratch) -> bool:
+        """Launch on tensors (None where absent) whose layout is known to be the planned one:
+        the one-shot call's plan cache compared it (``plan_cache``). Checks only what the layout does not fix, each address's
         alignment and the scale (a finite float or None), and returns False without
         launching where one fails (the caller then validates the call in full, which says
         why); so does an output that overlaps another tensor (``overlapping_output``)."""
@@ -386,7 +316,7 @@ class DecodePlan:
 
     def _bind_and_launch(self, values: list) -> None:
         """``values`` as ``_checked_values`` returns them; the stream is the current one."""
-        values.append(_raw_stream(self.device_index))
+        values.append(raw_stream(self.device_index))
         with self._lock:
             for bound, words, binds, floats, float_binds in self._kernels:
                 for i, position, offset in binds:
@@ -415,7 +345,7 @@ class BoundDecode:
 
     def run(self):
         """Launch on the current stream; returns ``(out, lse)``."""
-        stream = _raw_stream(self._device_index)
+        stream = raw_stream(self._device_index)
         with self._lock:
             if stream != self._stream:
                 for words, i in self._stream_words:

@@ -27,7 +27,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 
-from .adapters import DSV4_KV_CACHE_FORMATS
+from ..adapters import DSV4_KV_CACHE_FORMATS
 
 FLASHINFER, FLASHMLA = "FlashInfer", "FlashMLA"
 PEERS = (FLASHINFER, FLASHMLA)
@@ -42,8 +42,8 @@ FLASHMLA_HEADS = (64, 128)
 # the formats FlashMLA's sparse decode reads (its MODEL1 and V3.2 layouts)
 FLASHMLA_FORMATS = ("model1_fp8", "v32_fp8")
 # the FP32-scale formats FlashInfer's sparse MLA call reads, with the scales each cache holds
-# as ``dispatch.testing.make_cache`` writes it (the format's first writer,
-# ``cache_format.WRITERS``): FlashMLA's power-of-two scales for V3.2, vLLM's arbitrary FP32
+# as ``dispatch.tools.sample_inputs.make_cache`` writes it (the format's first writer,
+# ``cache_writers.WRITERS``): FlashMLA's power-of-two scales for V3.2, vLLM's arbitrary FP32
 # scales for GLM-5.3
 FLASHINFER_MLA_SCALES = {"v32_fp8": "pow2_fp32", "glm_nope_fp8": "arbitrary_fp32"}
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's workspace buffer, as vLLM allocates it
@@ -130,15 +130,25 @@ def new_workspace(device) -> torch.Tensor:
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-def flashinfer_call(q, kv_cache, indices, kw: dict, arch: str, workspace: torch.Tensor) -> PeerCall:
+def _peer_module(peer: str, arch: str, archs: tuple, runs_on: str, module: str, install: str):
+    """(the peer's module, None), or (None, its "not available" call): first the arch it never
+    runs on (installed or not), then its install."""
+    if arch not in archs:
+        return None, PeerCall(peer, unavailable=f"{runs_on} (this GPU: {arch})")
+    imported = _import(module)
+    if imported is None:
+        return None, PeerCall(peer, unavailable=f"not installed: {install}")
+    return imported, None
+
+
+def flashinfer_call(q, kv_cache, indices, kw: dict, *, arch: str, workspace: torch.Tensor) -> PeerCall:
     """FlashInfer's SM120 sparse MLA on the inputs of ``sparse_mla_decode(q, kv_cache, indices,
     **kw)`` (``kw``: ``kv_format`` and the optional inputs), as vLLM calls it on ``arch``."""
-    if arch not in FLASHINFER_ARCHS:  # the first reason on a GPU it never runs on, installed or not
-        return PeerCall(FLASHINFER, unavailable=f"FlashInfer's SM120 sparse MLA kernels run on sm_120 / sm_121 only "
-                                                f"(this GPU: {arch})")
-    flashinfer = _import("flashinfer")
-    if flashinfer is None:
-        return PeerCall(FLASHINFER, unavailable="not installed: pip install flashinfer-python")
+    flashinfer, refusal = _peer_module(FLASHINFER, arch, FLASHINFER_ARCHS,
+                                       "FlashInfer's SM120 sparse MLA kernels run on sm_120 / sm_121 only",
+                                       "flashinfer", "pip install flashinfer-python")
+    if refusal is not None:
+        return refusal
     fmt = get_format(kw["kv_format"])
     T, H, _ = q.shape
     padded = next((h for h in FLASHINFER_HEADS if H <= h), None)
@@ -214,16 +224,15 @@ def _flashinfer_mla_call(q, kv_cache, indices, kw, padded, workspace) -> PeerCal
     return PeerCall(FLASHINFER, name, fn, (), kwargs, note=_heads_note(H, padded, "vLLM pads"))
 
 
-def flashmla_call(q, kv_cache, indices, kw: dict, arch: str) -> PeerCall:
+def flashmla_call(q, kv_cache, indices, kw: dict, *, arch: str) -> PeerCall:
     """FlashMLA's sparse FP8 decode on the inputs of ``sparse_mla_decode(q, kv_cache, indices,
     **kw)``: ``flash_mla_with_kvcache(q [T, 1, H, d_qk], k_cache, None, None, 512,
     sched_meta, is_fp8_kvcache=True, indices=[T, 1, topk], ...)``, heads padded to 64 or 128."""
-    if arch not in FLASHMLA_ARCHS:  # the first reason on a GPU it never runs on, installed or not
-        return PeerCall(FLASHMLA, unavailable=f"FlashMLA's sparse decode runs on sm_90 / sm_100 only (this GPU: "
-                                              f"{arch})")
-    flash_mla = _import("flash_mla")
-    if flash_mla is None:
-        return PeerCall(FLASHMLA, unavailable="not installed: FlashMLA is built from github.com/deepseek-ai/FlashMLA")
+    flash_mla, refusal = _peer_module(FLASHMLA, arch, FLASHMLA_ARCHS,
+                                      "FlashMLA's sparse decode runs on sm_90 / sm_100 only",
+                                      "flash_mla", "FlashMLA is built from github.com/deepseek-ai/FlashMLA")
+    if refusal is not None:
+        return refusal
     main = kw["kv_format"]
     extra = kw.get("extra_kv_format") or main
     if main not in FLASHMLA_FORMATS or extra != main:
@@ -258,9 +267,10 @@ def flashmla_call(q, kv_cache, indices, kw: dict, arch: str) -> PeerCall:
                     note=_heads_note(H, padded, "vLLM and SGLang pad"))
 
 
-def peer_calls(q, kv_cache, indices, kw: dict, arch: str, workspace: torch.Tensor) -> list[PeerCall]:
+def peer_calls(q, kv_cache, indices, kw: dict, *, arch: str, workspace: torch.Tensor) -> list[PeerCall]:
     """Every peer's call on these inputs, in ``PEERS`` order."""
-    return [flashinfer_call(q, kv_cache, indices, kw, arch, workspace), flashmla_call(q, kv_cache, indices, kw, arch)]
+    return [flashinfer_call(q, kv_cache, indices, kw=kw, arch=arch, workspace=workspace),
+            flashmla_call(q, kv_cache, indices, kw=kw, arch=arch)]
 
 
 def time_peer(call: PeerCall, timer) -> dict:

@@ -1,11 +1,11 @@
 """What ``dsv4-mla-selftest`` writes: the JSON of a run, its Markdown report, the plot of time
 per shape and the one-line summary, all from the run's result (a plain dict, module
-``dispatch.selftest``), so that each can be made and checked without a GPU.
+``dispatch.tools.selftest``), so that each can be made and checked without a GPU.
 
 A result holds ``gpu`` (name, capability, arch, sms), ``software``, ``deployment``
 (``description``), ``tokens``, ``paths`` (the compute paths run), ``timing`` (``enabled``,
 ``unavailable``), ``rows`` and ``kernels`` (``expected`` / ``used``: variant name -> where it
-comes from, as ``dispatch.loader.sources`` says it). A row is one shape at one token count:
+comes from, as ``dispatch.runtime.loader.sources`` says it). A row is one shape at one token count:
 ``shape`` (its label), ``num_tokens``, ``paths`` (per path: ``status`` "pass" | "fail" |
 "error", ``error_over_bound``, ``bad_tokens``, ``error``, ``us``) and ``peers`` (per peer:
 ``us`` or ``not_available``, and a ``note``).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
-from .loader import PACKAGE_AOT_DIR
+from ..runtime.loader import PACKAGE_AOT_DIR
 from .selftest_peers import PEERS
 
 PROG = "dsv4-mla-selftest"
@@ -227,9 +227,9 @@ def markdown(result: dict) -> str:
            f"- Summary: {summary_line(result).removeprefix(PROG + ': ')}", "",
            "## Results", "", results_table(result), "",
            "err/bound: the worst checked token's relative L2 error of out against the float64 reference, over its "
-           "bound (`dispatch.accuracy`: twice the rounding floor of the case; above 1 fails). "
+           "bound (`dispatch.tools.accuracy`: twice the rounding floor of the case; above 1 fails). "
            + ("us: microseconds per call, replayed from a CUDA graph with L2 cleared before every call, median "
-              "(`dispatch.timing`). " if result["timing"]["enabled"] else "")
+              "(`dispatch.tools.timing`). " if result["timing"]["enabled"] else "")
            + "-: the path does not read the shape's cache format. n/a: the peer did not run (Peers)."]
     failed = failures(result["rows"])
     if failed:

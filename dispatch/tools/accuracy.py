@@ -42,7 +42,7 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage().cpu(), t.storage_offset(), t.shape, t.stride())
 
 
-def rounding_floor(precision: str, q, cache, idx, kw, ref_out) -> torch.Tensor:
+def rounding_floor(precision: str, q, *, cache, idx, kw, ref_out) -> torch.Tensor:
     """Per token, what rounding alone costs on this case: the reference rounded to bf16, or
     for the FP8 paths their modelled rounding (computed on the CPU), then bf16."""
     if precision not in MODELLED_PRECISIONS:

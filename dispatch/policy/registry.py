@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 
-from .metadata import DecodeMetadata
+from .call_metadata import DecodeMetadata
 from .selection import select_kernels
-from .variants import KernelVariant, format_precisions, precisions_for
+from .precision import format_precisions, precisions_for
+from .variant_space import KernelVariant
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class DeploymentShape:
     extra_topk: int = 0
     extra_page_block_size: int | None = None
     kv_format: str = DEFAULT_FORMAT  # the cache format (``kv_format.FORMATS``)
-    extra_kv_format: str | None = None  # the extra cache's, where it is another (``EXTRA_FORMATS``)
+    extra_kv_format: str | None = None  # the extra cache's, where it is another (``KvFormat.extras``)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ DEPLOYMENT_SM_COUNTS = (188, 170, 48, 132)
 def deployment_calls(precision: str, arch: str):
     """Every call of the deployment grid with the ``precision`` compute path for ``arch``, as
     (metadata, SM count): the shapes of every format that has that path
-    (``variants.format_precisions``), with each combination of the optional inputs, on each
+    (``precision.format_precisions``), with each combination of the optional inputs, on each
     of ``DEPLOYMENT_NUM_TOKENS`` and ``DEPLOYMENT_SM_COUNTS``."""
     for shape, flags in itertools.product(DEPLOYMENT_SHAPES, itertools.product((False, True), repeat=3)):
         has_len, has_extra_len, has_sink = flags
@@ -153,7 +154,7 @@ def registry_calls(precision: str, arch: str):
     ``select_kernels(...).variants``."""
     smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
     for md, sms in deployment_calls(precision, arch):
-        selection = select_kernels(md, arch, sms, smem_per_sm, precision)
+        selection = select_kernels(md, arch, num_sms=sms, smem_per_sm=smem_per_sm, precision=precision)
         yield md, selection.num_splits, selection.head_groups, selection.two_ctas_per_sm
 
 
@@ -164,6 +165,6 @@ def registry_variants(arch: str) -> list[KernelVariant]:
     found = {}
     for precision in precisions_for(arch):  # every path a caller can ask for, not only the default
         for md, sms in deployment_calls(precision, arch):
-            for v in select_kernels(md, arch, sms, smem_per_sm, precision).variants:
+            for v in select_kernels(md, arch, num_sms=sms, smem_per_sm=smem_per_sm, precision=precision).variants:
                 found.setdefault(v.name, v)
     return [found[name] for name in sorted(found)]

@@ -1,5 +1,5 @@
 """Which registry shapes ``dsv4-mla-selftest`` runs: the deployment a user names (``--model``,
-``--tp``, ``--format``) mapped onto ``dispatch.registry`` (no GPU, no torch work).
+``--tp``, ``--format``) mapped onto ``dispatch.policy.registry`` (no GPU, no torch work).
 
 A model is named as users name it, in any case: ``registry.MODELS``' keys
 (``deepseek-v4-flash``, ``glm-5.3``), the registry's own names (``V4-Flash``, ``GLM-5.x``) or
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from cute_kernels.sparse_mla_decode.kv_format import EXTRA_ONLY_FORMATS, FORMATS
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 
-from .registry import DEPLOYMENT_SHAPES, MODELS, DeploymentShape
+from ..policy.registry import DEPLOYMENT_SHAPES, MODELS, DeploymentShape
 
 
 class UsageError(ValueError):
@@ -69,7 +69,7 @@ def default_heads() -> int:
 def reads(shape: DeploymentShape, kv_format: str) -> bool:
     """Whether ``shape``'s main cache is of ``kv_format`` (for a format read only as an extra
     cache: its extra cache)."""
-    if kv_format in EXTRA_ONLY_FORMATS:
+    if not FORMATS[kv_format].main:
         return shape.extra_topk > 0 and shape.extra_kv_format == kv_format
     return shape.kv_format == kv_format
 

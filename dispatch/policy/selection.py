@@ -15,9 +15,10 @@ import dataclasses
 
 from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
 
-from .metadata import DecodeMetadata
+from .call_metadata import DecodeMetadata
 from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
-from .variants import KernelVariant, merge_variant, partial_shape_config, variants_for
+from .head_groups import partial_shape_config
+from .variant_space import KernelVariant, merge_variant, variants_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,16 +84,16 @@ class KernelSelection:
         return self.split.num_splits + (self.extra.num_splits if self.extra is not None else 0)
 
 
-def select_kernels(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int, precision: str,
+def select_kernels(md: DecodeMetadata, arch: str, *, num_sms: int, smem_per_sm: int, precision: str,
                    overrides: PlanOverrides | None = None) -> KernelSelection:
     """The dispatch's choice for the call ``md`` describes (its shape, optional inputs and
     ``kv_format``, which must be known) on ``arch`` with ``num_sms`` SMs of ``smem_per_sm``
     bytes of shared memory each, computed in ``precision`` (resolved: never None):
 
-    1. the head groups (``variants.partial_shape_config``: ``head_groups_for``'s rule);
+    1. the head groups (``head_groups.partial_shape_config``: ``head_groups_for``'s rule);
     2. the split (``splits.plan_splits``, for that shape and its shared memory);
     3. the register bound (``splits.two_ctas_per_sm``: the planned grid puts two CTAs on an SM);
-    4. the variants (``variants.variants_for``).
+    4. the variants (``variant_space.variants_for``).
 
     A call whose extra list is of another format (``DecodeMetadata.mixed``): each list as a
     call of its own format (``DecodeMetadata.list_calls``), both in split mode, the extra
@@ -144,8 +145,9 @@ def _select_one(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int, p
         if split.num_splits != ov.num_splits:
             raise ValueError(f"overrides.num_splits={ov.num_splits}: {chunks} chunks of {shape.block_n} entries "
                              f"split into equal ranges give {split.num_splits} splits")
-    two_per_sm = (two_ctas_per_sm(shape, split, T, H, num_sms, smem_per_sm) if ov.two_ctas_per_sm is None
-                  else ov.two_ctas_per_sm)
+    two_per_sm = ov.two_ctas_per_sm
+    if two_per_sm is None:
+        two_per_sm = two_ctas_per_sm(shape, split, num_tokens=T, num_heads=H, num_sms=num_sms, smem_per_sm=smem_per_sm)
     variants = variants_for(md, arch, split.num_splits, shape.head_groups, precision=precision,
                             two_ctas_per_sm=two_per_sm, split_mode=split_mode)
     if ov.num_stages is not None:

@@ -14,12 +14,12 @@ import torch
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 
 
-def plan_runner(q, cache, idx, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT,
+def plan_runner(q, cache, idx, *, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT,
                 extra_kv_format: str | None = None):
     """A no-argument call of the planned decode on these inputs (``plan.run``: what a serving
     engine captures in a CUDA graph). ``kw``: the extra cache's and the optional inputs'
     keyword arguments (``extra_kv_cache``, ``extra_indices``, ``topk_length``, ...)."""
-    from .api import plan_sparse_mla_decode
+    from ..api import plan_sparse_mla_decode
 
     out = torch.empty(*q.shape[:-1], get_format(kv_format).d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

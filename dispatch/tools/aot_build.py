@@ -4,7 +4,7 @@
     dsv4-mla-aot-build --report [--out DIR]
     dsv4-mla-aot-build --wheel DIR [--arch ...]       # from a source checkout: a wheel with the kernels
 
-Builds exactly ``dispatch.registry.registry_variants(arch)`` for each ``--arch`` (default: the
+Builds exactly ``dispatch.policy.registry.registry_variants(arch)`` for each ``--arch`` (default: the
 deployment archs, sm_120a and sm_121a; ``--arch sm_90a --out build/aot90`` builds the H200
 test GPU's, best kept in a directory of its own) in parallel processes, exports each variant
 as ``<name>.o`` into ``--out`` (default ``build/aot`` in the current directory) and records it
@@ -42,10 +42,10 @@ from pathlib import Path
 
 from cute_kernels.arch import DEPLOYMENT_ARCHS, SMEM_PER_CTA_MAX, SUPPORTED_ARCHS
 
-from .fingerprint import fingerprint, mismatches
-from .loader import MANIFEST, MANIFEST_FORMAT, PACKAGE_AOT_DIR, read_manifest, sha256_file
-from .registry import registry_variants
-from .variants import KernelVariant
+from ..policy.registry import registry_variants
+from ..policy.variant_space import KernelVariant
+from ..runtime.fingerprint import fingerprint, mismatches
+from ..runtime.loader import MANIFEST, MANIFEST_FORMAT, PACKAGE_AOT_DIR, read_manifest, sha256_file
 
 DEFAULT_OUT = Path("build") / "aot"
 
@@ -77,7 +77,7 @@ def _worker_init(dump_root: str) -> None:
 def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
     from cute_kernels.sass_check import disassemble, inspect_cubin, launch_smem_bytes, mma_loops
 
-    from .loader import compile_variant, export_variant
+    from ..runtime.loader import compile_variant, export_variant
 
     t0 = time.time()
     compiled = compile_variant(variant, keep_cubin=True)
@@ -211,7 +211,7 @@ def build(archs, out_dir: Path, *, jobs: int, only: str | None = None, force: bo
 def source_checkout() -> Path:
     """The source checkout this package runs from (what ``--wheel`` packages); SystemExit if
     it runs from an installed copy."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").exists():
         raise SystemExit(f"--wheel packages a source checkout: no pyproject.toml in {root} (install the project "
                          f"with pip install -e from its checkout)")

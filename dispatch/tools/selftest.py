@@ -5,7 +5,7 @@ deployment shapes, against the float64 reference and beside the other libraries 
     dsv4-mla-selftest --model deepseek-v4-flash --tp 4   # one deployment: 16 query heads per GPU
     dsv4-mla-selftest --model glm-5.3 --quick --out report/
 
-What runs: the deployment shapes of ``dispatch.registry`` for the deployment named by
+What runs: the deployment shapes of ``dispatch.policy.registry`` for the deployment named by
 --model / --tp (every shape the model is served with at that head count: each cache format
 and main / extra cache pairing, each top-k and page size; without --tp every head count of the
 model; without --model every model at 64 query heads per GPU, the one head count all of them
@@ -18,11 +18,11 @@ default, "bf16", "fp8", and "mxf8" on sm_120 / sm_121 for UE8M0-scaled caches; -
 narrows).
 
 Accuracy: each call's out against the float64 reference on up to 16 of its tokens, with the
-bound dsv4-mla-check-aot and the tests apply (dispatch.accuracy: per token, the relative L2
+bound dsv4-mla-check-aot and the tests apply (dispatch.tools.accuracy: per token, the relative L2
 error at most twice the rounding floor of the case); reported: the worst error over its bound.
 
 Speed (unless --no-timing): each call captured in a CUDA graph and replayed with L2 cleared
-before every replay, the median (dispatch.timing: the method of docs/performance.md; needs
+before every replay, the median (dispatch.tools.timing: the method of docs/performance.md; needs
 triton), in each path, and the same inputs through the other libraries where they run, called
 as vLLM calls them: FlashInfer's SM120 sparse MLA (trtllm_batch_decode_sparse_mla_dsv4; for
 DeepSeek-V3.2 / GLM rows trtllm_batch_decode_with_kv_cache_mla; sm_120 / sm_121 only) and
@@ -54,7 +54,7 @@ from cute_kernels.sparse_mla_decode.config import PRECISIONS
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
-from .registry import MODELS, DeploymentShape
+from ..policy.registry import MODELS, DeploymentShape
 from .selftest_report import PROG
 from .selftest_shapes import Deployment, SelfTestShape, UsageError, default_heads, select_deployment, valid_tps
 
@@ -130,7 +130,7 @@ def path_order(paths) -> list[str]:
 def shape_paths(arch: str, shape: DeploymentShape, wanted=None) -> list[str]:
     """The compute paths that read both of ``shape``'s cache formats on ``arch`` (of ``wanted``)."""
     from .check_aot import extra_format
-    from .variants import format_precisions
+    from ..policy.precision import format_precisions
 
     both = set(format_precisions(arch, shape.kv_format)) & set(format_precisions(arch, extra_format(shape)))
     return path_order(p for p in both if wanted is None or p in wanted)
@@ -158,7 +158,7 @@ class Case:
                 "num_tokens": self.num_tokens, "paths": {}, "peers": {}}
 
 
-def make_cases(deployment: Deployment, tokens, arch: str, wanted, seed: int, device="cuda") -> list[Case]:
+def make_cases(deployment: Deployment, *, tokens, arch: str, wanted, seed: int, device="cuda") -> list[Case]:
     """The calls of the deployment at each token count, on random caches (``check_aot``'s
     inputs) with every list full: a decode step whose context is longer than its lists."""
     import torch
@@ -185,23 +185,24 @@ def planned_variants(case: Case, precision: str, _target=None) -> tuple:
     """The kernel variants the call in ``precision`` runs, as a plan selects them (no GPU work;
     none where the call is refused: running it reports why). ``_target``: ``validate_call``'s
     testing aid, (arch, SMs, shared memory per SM) to plan CPU tensors for."""
-    from .api import validate_call
-    from .selection import select_kernels
+    from ..api import validate_call
+    from ..policy.selection import select_kernels
 
     try:
         call = validate_call(case.q, case.cache, case.indices, precision=precision, for_plan=True, _target=_target,
                              **case.kw)
     except Exception:
         return ()
-    return select_kernels(call.launch_metadata, call.arch, call.num_sms, call.smem_per_sm, call.precision).variants
+    return select_kernels(call.launch_metadata, call.arch, num_sms=call.num_sms, smem_per_sm=call.smem_per_sm,
+                          precision=call.precision).variants
 
 
 def expected_source(variant) -> str:
     """Where the loader will take ``variant`` from, read without loading anything, in the words
     of ``loader.sources``: "aot <directory>" (the first manifest of ``loader.aot_dirs()`` with
     an up-to-date entry), "jit disk cache <directory>", or "compile" (it is compiled now)."""
-    from . import loader
-    from .fingerprint import fingerprint, fingerprint_id, mismatches
+    from ..runtime import loader
+    from ..runtime.fingerprint import fingerprint, fingerprint_id, mismatches
 
     expected = fingerprint(variant)
     for directory in loader.aot_dirs():
@@ -217,13 +218,13 @@ def expected_source(variant) -> str:
 
 def check_path(case: Case, precision: str) -> dict:
     """The call's out in ``precision`` against the float64 reference (``check_aot.spot_check``,
-    the bound of ``dispatch.accuracy``)."""
-    from . import sparse_mla_decode
+    the bound of ``dispatch.tools.accuracy``)."""
+    from .. import sparse_mla_decode
     from .check_aot import spot_check
 
     try:
         out, _ = sparse_mla_decode(case.q, case.cache, case.indices, precision=precision, **case.kw)
-        ratio, bad = spot_check(precision, case.q, case.cache, case.indices, case.kw, out)
+        ratio, bad = spot_check(precision, case.q, cache=case.cache, idx=case.indices, kw=case.kw, out=out)
     except Exception as err:  # a call that raises is a failure of the run, reported with the others
         return {"status": "error", "error": f"{type(err).__name__}: {err}"[:500]}
     return {"status": "fail" if bad else "pass", "error_over_bound": ratio, "bad_tokens": bad}
@@ -235,8 +236,8 @@ def time_path(case: Case, precision: str, timer) -> dict:
 
     kw = {k: v for k, v in case.kw.items() if k not in ("kv_format", "extra_kv_format")}
     try:
-        us = timer(plan_runner(case.q, case.cache, case.indices, kw, precision, None, case.kw["kv_format"],
-                               case.kw.get("extra_kv_format")))
+        us = timer(plan_runner(case.q, case.cache, case.indices, kw=kw, precision=precision, overrides=None,
+                               kv_format=case.kw["kv_format"], extra_kv_format=case.kw.get("extra_kv_format")))
     except Exception as err:
         return {"us": None, "time_error": f"{type(err).__name__}: {err}"[:500]}
     return {"us": us}
@@ -278,7 +279,7 @@ def run_cases(cases: list[Case], arch: str, timer=None, log=print) -> list[dict]
             row["paths"][precision] = entry
         if timer is not None:
             workspace = workspace if workspace is not None else new_workspace(case.q.device)
-            for call in peer_calls(case.q, case.cache, case.indices, case.kw, arch, workspace):
+            for call in peer_calls(case.q, case.cache, case.indices, kw=case.kw, arch=arch, workspace=workspace):
                 row["peers"][call.peer] = time_peer(call, timer)
         log(f"[{n}/{len(cases)}] {row['shape']} T={case.num_tokens}: "
             + "; ".join(f"{p} {_progress(e)}" for p, e in row["paths"].items()), file=sys.stderr, flush=True)
@@ -289,7 +290,7 @@ def run_cases(cases: list[Case], arch: str, timer=None, log=print) -> list[dict]
 def software() -> dict:
     import torch
 
-    from .fingerprint import PROJECT_VERSION, dsl_version
+    from ..runtime.fingerprint import PROJECT_VERSION, dsl_version
     from .selftest_peers import version_of
 
     return {"dsv4-sparse-mla": PROJECT_VERSION, "torch": torch.__version__, "nvidia-cutlass-dsl": dsl_version(),
@@ -298,10 +299,10 @@ def software() -> dict:
 
 def run(args, deployment: Deployment, gpu: dict) -> tuple[dict, int]:
     """The self-test on the GPU: the result (``selftest_report``) and the exit status."""
-    from . import loader
+    from ..runtime import loader
     from .selftest_report import counts_text, source_counts
     from .timing import graph_time_us
-    from .variants import precisions_for
+    from ..policy.precision import precisions_for
 
     arch = gpu["arch"]
     unknown = [p for p in args.precision or () if p not in precisions_for(arch)]
@@ -310,7 +311,8 @@ def run(args, deployment: Deployment, gpu: dict) -> tuple[dict, int]:
               f"{', '.join(path_order(precisions_for(arch)))})", file=sys.stderr)
         return {}, EXIT_USAGE
     tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
-    cases = [c for c in make_cases(deployment, tokens, arch, args.precision, args.seed) if c.paths]
+    cases = [c for c in make_cases(deployment, tokens=tokens, arch=arch, wanted=args.precision,
+                                   seed=args.seed) if c.paths]
     if not cases:
         print(f"{PROG}: no shape of {deployment.description} has a path among --precision "
               f"{', '.join(args.precision)} on {arch}", file=sys.stderr)
@@ -333,7 +335,7 @@ def run(args, deployment: Deployment, gpu: dict) -> tuple[dict, int]:
                              "kv_format": deployment.kv_format},
               "tokens": list(tokens), "paths": path_order({p for c in cases for p in c.paths}), "seed": args.seed,
               "timing": {"enabled": timer is not None, "unavailable": unavailable,
-                         "method": "CUDA graph replay, L2 cleared before every replay, median (dispatch.timing)"},
+                         "method": "CUDA graph replay, L2 cleared before every replay, median (dispatch.tools.timing)"},
               "rows": rows, "kernels": {"expected": expected, "used": used},
               "seconds": round(time.perf_counter() - start, 1)}
     status = EXIT_FAILED if any(e["status"] != "pass" for row in rows for e in row["paths"].values()) else EXIT_OK

@@ -2,7 +2,7 @@
 
 - AOT: the first up-to-date entry of the variant in the manifests of ``set_aot_dir(path)``,
   ``$DSV4_MLA_AOT_DIR`` and the package's own ``dispatch/aot_data/`` (written by
-  ``dsv4-mla-aot-build``, ``dispatch.aot_build``), searched in that order. An entry is
+  ``dsv4-mla-aot-build``, ``dispatch.tools.aot_build``), searched in that order. An entry is
   up to date when its fingerprint (arch, DSL version and libs, project version, kernel
   source hash) matches this process and its object file's sha256 matches the manifest. A
   missing or corrupt manifest, a manifest without the entry, and a stale or corrupt entry
@@ -30,14 +30,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..policy.variant_space import KernelVariant
 from .fingerprint import fingerprint, fingerprint_id, mismatches
-from .variants import KernelVariant
 
 log = logging.getLogger("dsv4_mla")
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-PACKAGE_AOT_DIR = Path(__file__).resolve().parent / "aot_data"
+PACKAGE_AOT_DIR = Path(__file__).resolve().parents[1] / "aot_data"  # dispatch/aot_data
 
 _compiled: dict[KernelVariant, object] = {}
 _lock = threading.Lock()
@@ -291,7 +291,7 @@ def _obtain(variant: KernelVariant):
         )
     if skipped:
         _report_once("dsv4_mla: kernels with no up-to-date AOT entry are taken from the JIT disk cache or "
-                     "compiled (dispatch.loader.sources says which)")
+                     "compiled (dispatch.runtime.loader.sources says which)")
     entry_dir = jit_cache_dir() / fingerprint_id(fingerprint(variant))
     fn = _load_from_disk(variant, entry_dir)
     if fn is not None:

@@ -1,0 +1,95 @@
+"""What each cache format is served with is declared once, on its ``KvFormat`` entry (``paths``,
+``extras``, ``main``), and every reader takes it from there: a format built from existing parts
+is served by adding its entry and its writers, nothing else (CPU)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from cute_kernels.sparse_mla_decode import cache_writers, kv_format
+from cute_kernels.sparse_mla_decode.config import PATH_ARCHS, PRECISIONS, PartialConfig, path_problem
+from cute_kernels.sparse_mla_decode.kv_format import (
+    EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, V41_FP8, V41_NVFP4, formats_of_width,
+)
+from dispatch import InvalidDecodeInput
+from dispatch.adapters import DSV4_KV_CACHE_FORMATS
+from dispatch.api import validate_call
+from dispatch.policy.precision import format_precisions, precisions_for, resolve_precision
+from dispatch.policy.registry import SM120_SMEM_PER_SM
+from dispatch.policy.variant_space import variant_space
+from dispatch.runtime import plan as plan_module
+from dispatch.runtime.plan import DecodePlan
+from dispatch.tools.sample_inputs import make_cache, make_indices
+
+from .dispatch_inputs import _stub_kernels
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_declares_paths_its_kernels_read_and_pairings_that_exist(name):
+    fmt = FORMATS[name]
+    assert fmt.paths and fmt.paths == tuple(p for p in PRECISIONS if p in fmt.paths), fmt.paths  # PRECISIONS order
+    assert "f16" in fmt.paths  # the default path reads every format
+    for path in fmt.paths:
+        assert path_problem(path, fmt) is None, (name, path)
+    assert set(fmt.extras) <= set(FORMATS) and (not fmt.extras or fmt.main)
+    if not fmt.main:  # read only as an extra cache: some main format pairs with it
+        assert any(name in m.extras for m in FORMATS.values())
+
+
+def test_path_problem_names_what_a_kernel_cannot_read():
+    assert "f16" in path_problem("bf16", FORMATS["model1_nvfp4"])
+    assert "per 32 dims" in path_problem("fp8", V41_FP8)
+    assert "fp32 scales" in path_problem("mxf8", FORMATS["v32_fp8"])
+    assert "not one of" in path_problem("f32", V41_FP8)
+
+
+def test_a_path_a_format_does_not_declare_is_refused_by_its_kernel_config():
+    with pytest.raises(ValueError, match="does not read v41_fp8 caches"):
+        PartialConfig(kv_format=V41_FP8.name, precision="fp8").check()
+
+
+def test_the_tables_of_pairings_are_the_declarations():
+    assert EXTRA_FORMATS == {f.name: f.extras for f in FORMATS.values() if f.extras}
+    assert EXTRA_ONLY_FORMATS == tuple(sorted(f.name for f in FORMATS.values() if not f.main))
+    for main, extra in DSV4_KV_CACHE_FORMATS.values():  # the adapter's kv_cache_format names: declared pairs
+        assert extra in FORMATS[main].extras, (main, extra)
+
+
+def test_arch_paths_are_declared_once():
+    for arch in ("sm_90a", "sm_120a", "sm_121a"):
+        assert precisions_for(arch) == tuple(p for p in PRECISIONS if arch in PATH_ARCHS.get(p, (arch,)))
+    assert "mxf8" not in precisions_for("sm_90a") and "mxf8" in precisions_for("sm_120a")
+
+
+def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypatch):
+    """V4.1's FP8 record under a new name, paired with V4.1's NVFP4 record: with its entry in
+    ``FORMATS`` and its writers in ``WRITERS`` (nothing else changed), the width lookup, the
+    precision policy, the variant space, validation (its pairing and its paths) and a plan
+    (kernels stubbed) all serve it."""
+    new = dataclasses.replace(V41_FP8, name="test_fp8_record", model_type="Test model (528 B FP8 rows)",
+                              extras=("test_fp8_record", V41_NVFP4.name))
+    monkeypatch.setitem(kv_format.FORMATS, new.name, new)
+    monkeypatch.setitem(cache_writers.WRITERS, new.name, cache_writers.WRITERS[V41_FP8.name])
+    monkeypatch.setattr(plan_module, "_variant_space_set", plan_module._variant_space_set.__wrapped__)
+    _stub_kernels(monkeypatch)
+
+    assert new.name in formats_of_width(528)
+    assert format_precisions("sm_120a", new.name) == ("bf16", "f16")
+    assert resolve_precision(None, "sm_120a", new.name) == "f16"
+    ours = [v.config for v in variant_space("sm_120a") if v.kind == "partial" and v.config.kv_format == new.name]
+    base = [v.config for v in variant_space("sm_120a") if v.kind == "partial" and v.config.kv_format == V41_FP8.name]
+    assert ours and [dataclasses.replace(c, kv_format=V41_FP8.name) for c in ours] == base
+
+    gen = torch.Generator().manual_seed(34)
+    cache = make_cache(4, 64, device="cpu", kv_format=new.name, gen=gen)
+    extra = make_cache(2, 64, device="cpu", kv_format=V41_NVFP4.name, gen=gen)
+    q = torch.randn(2, 16, new.d_qk, generator=gen).to(torch.bfloat16)
+    kw = dict(kv_format=new.name, extra_kv_cache=extra, extra_indices=make_indices(2, 64, 128, device="cpu"),
+              extra_kv_format=V41_NVFP4.name, _target=("sm_120a", 188, SM120_SMEM_PER_SM))
+    call = validate_call(q, cache, make_indices(2, 128, 256, device="cpu"), for_plan=True, **kw)
+    assert call.fmt is new and call.extra.fmt.name == V41_NVFP4.name and call.precision == "f16"
+    plan = DecodePlan(call)
+    assert plan.kv_format == new.name and plan.extra_kv_format == V41_NVFP4.name
+    with pytest.raises(InvalidDecodeInput, match="does not read test_fp8_record caches"):
+        validate_call(q, cache, make_indices(2, 128, 256, device="cpu"), precision="fp8", **kw)
