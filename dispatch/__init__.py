@@ -5,7 +5,9 @@
   ``dispatch.kv_formats`` (``FORMATS``; ``pack`` / ``unpack`` make and read caches);
 - ``plan_sparse_mla_decode``: validate once, then ``plan.run`` / ``plan.bind(...).run()`` on
   every step (allocation-free, CUDA-graph safe);
-- ``InvalidDecodeInput``: every refusal, before any GPU work;
+- ``InvalidDecodeInput``: every refusal, before any GPU work; ``MissingAotVariant``: a kernel
+  with no prebuilt object while compiling is switched off (``DSV4_MLA_REQUIRE_AOT``);
+- ``convert_lse`` / ``LSE_CONVENTIONS``: the lse conventions (``dispatch.runtime.lse``);
 - ``plan_cache_info`` / ``clear_plan_cache``: what the one-shot call's plan cache holds, and dropping it;
 - ``dispatch.adapters``: FlashMLA's and FlashInfer's call shapes; ``dispatch.engine_plugins``: the
   opt-in vLLM / SGLang plugins.
@@ -22,6 +24,9 @@ from . import torch_ops  # noqa: F401  (registers torch.ops.dsv4_mla.sparse_mla_
 from .api import clear_plan_cache, plan_cache_info, plan_sparse_mla_decode, sparse_mla_decode, validate_call
 from .policy.call_metadata import DecodeMetadata, InvalidDecodeInput
 from .policy.selection import PlanOverrides
+from .runtime.loader import MissingAotVariant
+from .runtime.lse import LSE_CONVENTIONS, convert_lse
 
 __all__ = ["sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata", "InvalidDecodeInput",
-           "PlanOverrides", "plan_cache_info", "clear_plan_cache"]
+           "PlanOverrides", "plan_cache_info", "clear_plan_cache", "MissingAotVariant", "LSE_CONVENTIONS",
+           "convert_lse"]

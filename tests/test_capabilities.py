@@ -39,27 +39,41 @@ def test_each_format_declares_paths_its_kernels_read_and_pairings_that_exist(nam
 
 def test_path_problem_names_what_a_kernel_cannot_read():
     assert "f16" in path_problem("bf16", FORMATS["model1_nvfp4"])
-    assert "per 32 dims" in path_problem("fp8", V41_FP8)
+    assert "per 32 dims" in path_problem("fp8", V41_FP8) and "per 32 dims" in path_problem("mxf8", V41_FP8)
     assert "fp32 scales" in path_problem("mxf8", FORMATS["v32_fp8"])
+    assert path_problem("fp8", FORMATS["v32_fp8"]) is None  # an FP32 scale per 128 dims: applied per 64-dim unit
     assert "not one of" in path_problem("f32", V41_FP8)
+    # which paths each layout allows, over every format: the declarations use all of them
+    assert {name: tuple(p for p in PRECISIONS if path_problem(p, f) is None) for name, f in FORMATS.items()} == {
+        name: f.paths for name, f in FORMATS.items()}
 
 
-def test_a_path_a_format_does_not_declare_is_refused_by_its_kernel_config():
+def test_a_path_a_format_does_not_declare_or_cannot_read_is_refused_by_its_kernel_config():
     with pytest.raises(ValueError, match="does not read v41_fp8 caches"):
         PartialConfig(kv_format=V41_FP8.name, precision="fp8").check()
+    wrong = dataclasses.replace(V41_FP8, name="test_wrong_paths", paths=("bf16", "f16", "fp8"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(kv_format.FORMATS, wrong.name, wrong)
+        PartialConfig(kv_format=wrong.name, precision="f16").check()
+        with pytest.raises(ValueError, match="test_wrong_paths declares precision 'fp8', which cannot read it: "
+                                             "the FP8 paths apply one UE8M0 scale per 64-dim MMA unit"):
+            PartialConfig(kv_format=wrong.name, precision="fp8").check()
 
 
-def test_the_tables_of_pairings_are_the_declarations():
-    assert EXTRA_FORMATS == {f.name: f.extras for f in FORMATS.values() if f.extras}
-    assert EXTRA_ONLY_FORMATS == tuple(sorted(f.name for f in FORMATS.values() if not f.main))
+def test_the_pairings_are_the_models_combinations():
+    assert EXTRA_FORMATS == {"model1_fp8": ("model1_fp8", "model1_nvfp4"),
+                             "model1_nvfp4": ("model1_nvfp4", "model1_fp8"),
+                             "v41_fp8": ("v41_fp8", "v41_nvfp4"),
+                             "v41_fp8_inline": ("v41_fp8_inline", "v41_nvfp4_inline")}
+    assert EXTRA_ONLY_FORMATS == ("v41_nvfp4", "v41_nvfp4_inline")
     for main, extra in DSV4_KV_CACHE_FORMATS.values():  # the adapter's kv_cache_format names: declared pairs
         assert extra in FORMATS[main].extras, (main, extra)
 
 
-def test_arch_paths_are_declared_once():
-    for arch in ("sm_90a", "sm_120a", "sm_121a"):
-        assert precisions_for(arch) == tuple(p for p in PRECISIONS if arch in PATH_ARCHS.get(p, (arch,)))
-    assert "mxf8" not in precisions_for("sm_90a") and "mxf8" in precisions_for("sm_120a")
+def test_mxf8_is_compiled_only_where_the_block_scaled_mma_is():
+    assert precisions_for("sm_90a") == ("bf16", "f16", "fp8")
+    assert precisions_for("sm_120a") == precisions_for("sm_121a") == ("bf16", "f16", "fp8", "mxf8")
+    assert set(PATH_ARCHS) == {"mxf8"}
 
 
 def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypatch):
@@ -76,7 +90,9 @@ def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypat
 
     assert new.name in formats_of_width(528)
     assert format_precisions("sm_120a", new.name) == ("bf16", "f16")
-    assert resolve_precision(None, "sm_120a", new.name) == "f16"
+    assert resolve_precision("bf16", "sm_120a", new.name) == "bf16"
+    with pytest.raises(ValueError, match="'mxf8' does not read test_fp8_record caches"):
+        resolve_precision("mxf8", "sm_120a", new.name)
     ours = [v.config for v in variant_space("sm_120a") if v.kind == "partial" and v.config.kv_format == new.name]
     base = [v.config for v in variant_space("sm_120a") if v.kind == "partial" and v.config.kv_format == V41_FP8.name]
     assert ours and [dataclasses.replace(c, kv_format=V41_FP8.name) for c in ours] == base

@@ -173,6 +173,11 @@ def _internal_imports(folder: str) -> dict:
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):  # import dispatch.runtime.plan: the module and its packages
+                for a in node.names:
+                    parts = a.name.split(".")
+                    deps.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                continue
             if not isinstance(node, ast.ImportFrom):
                 continue
             if node.level:
@@ -242,6 +247,7 @@ def test_the_wing_rule_catches_an_upward_import(tmp_path, monkeypatch):
     itself (absolute: its __init__ is the public surface) are both found."""
     pkg = tmp_path / "dispatch"
     files = {"policy/__init__.py": "", "policy/mod.py": "from ..runtime.plan import x\nfrom dispatch import api\n",
+             "policy/other.py": "def f():\n    import dispatch.tools.cli\n",
              "runtime/__init__.py": "", "runtime/plan.py": "from ..policy import mod\n", "__init__.py": "",
              "api.py": "from .runtime import plan\n", "tools/__init__.py": "", "tools/cli.py": "from .. import api\n"}
     for name, body in files.items():
@@ -250,7 +256,9 @@ def test_the_wing_rule_catches_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     graph = _internal_imports("dispatch")
     assert graph["dispatch.runtime.plan"] == {"dispatch.policy.mod"} and graph["dispatch.tools.cli"] == {"dispatch.api"}
-    assert _upward_imports(graph) == [("dispatch.policy.mod", "policy", ["dispatch.api", "dispatch.runtime.plan"])]
+    assert _upward_imports(graph) == [("dispatch.policy.mod", "policy", ["dispatch.api", "dispatch.runtime.plan"]),
+                                      ("dispatch.policy.other", "policy", ["dispatch", "dispatch.tools",
+                                                                           "dispatch.tools.cli"])]
 
 
 # ---------------------------------------------------------------------- the docs' numbers
@@ -320,11 +328,14 @@ def test_every_tuning_anchor_has_its_entry():
 # ---------------------------------------------------------------------- the public names
 PUBLIC_NAMES = {
     "dispatch": ("sparse_mla_decode", "plan_sparse_mla_decode", "validate_call", "DecodeMetadata",
-                 "InvalidDecodeInput", "PlanOverrides", "clear_plan_cache", "plan_cache_info"),
+                 "InvalidDecodeInput", "PlanOverrides", "clear_plan_cache", "plan_cache_info", "MissingAotVariant",
+                 "LSE_CONVENTIONS", "convert_lse"),
     "dispatch.kv_formats": ("FORMATS", "DEFAULT_FORMAT", "EXTRA_FORMATS", "KvFormat", "get_format", "writers", "pack",
                             "unpack"),
     "dispatch.adapters": ("flash_mla_with_kvcache", "flash_mla_with_kvcache_sm120",
-                          "trtllm_batch_decode_sparse_mla_dsv4"),
+                          "trtllm_batch_decode_sparse_mla_dsv4", "trtllm_batch_decode_with_kv_cache_mla"),
+    "dispatch.engine_plugins": ("register_vllm", "register_sglang"),
+    "dispatch.tools.sample_inputs": ("make_cache", "make_indices"),
     "cute_kernels.sparse_mla_decode.reference": ("reference_decode",),
     "cute_kernels.sparse_mla_decode.cache_writers": ("pack_latent",),
 }

@@ -55,8 +55,8 @@ def test_layout_keys_tell_every_layout_apart():
 
 
 def test_the_one_shot_call_keys_its_tensors_in_run_order(monkeypatch):
-    """``one_shot_decode`` writes run()'s tensor order out by hand (its hot path): the tuple it
-    keys and launches must be ``DecodeTensors``' field order."""
+    """``sparse_mla_decode`` builds its ``DecodeTensors`` by position (its hot path): the record
+    the one-shot call keys and launches must hold each tensor in its own field."""
     from dispatch import api
     from dispatch.runtime import plan_cache
 

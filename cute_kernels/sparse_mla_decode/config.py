@@ -28,15 +28,15 @@ F16_P_ROW_BYTES = 80  # bytes per head row of P in f16 or bf16: 32 entries + 8 (
 def path_problem(path: str, fmt: KvFormat) -> str | None:
     """Why the kernel of compute path ``path`` cannot read ``fmt``'s caches, None where it can:
     e2m1 values (NVFP4) only "f16" (value times scale becomes an exact f16 operand in
-    registers); the FP8 paths apply one scale per 64-dim MMA unit (not UE8M0 per 32, V4.1);
+    registers); the FP8 paths take UE8M0 scales one per 64-dim MMA unit (not per 32, V4.1);
     "mxf8" only UE8M0 scales (the block-scaled MMA takes the scale bytes themselves). A
     format declares its paths (``KvFormat.paths``); this is what the declaration must meet."""
     if path not in PRECISIONS:
         return f"precision {path!r} is not one of {PRECISIONS}"
     if fmt.e2m1 and path != "f16":
         return "e2m1 values are read by the \"f16\" path only"
-    if path in ("fp8", "mxf8") and fmt.scale_group < NOPE_TILE:
-        return f"the FP8 paths apply one scale per {NOPE_TILE}-dim MMA unit, not per {fmt.scale_group} dims"
+    if path in ("fp8", "mxf8") and fmt.scale_type == "ue8m0" and fmt.scale_group != NOPE_TILE:
+        return f"the FP8 paths apply one UE8M0 scale per {NOPE_TILE}-dim MMA unit, not per {fmt.scale_group} dims"
     if path == "mxf8" and fmt.scale_type != "ue8m0":
         return f"the block-scaled MMA takes UE8M0 scale bytes, not {fmt.scale_type} scales"
     return None
@@ -185,9 +185,9 @@ class PartialConfig:
         fmt = get_format(self.kv_format)
         if self.precision not in fmt.paths:
             raise ValueError(f"precision {self.precision!r} does not read {fmt.name} caches (one of {fmt.paths})")
-        if path_problem(self.precision, fmt):
-            raise ValueError(f"{fmt.name} declares precision {self.precision!r}, which cannot read it: "
-                             f"{path_problem(self.precision, fmt)}")
+        problem = path_problem(self.precision, fmt)
+        if problem:
+            raise ValueError(f"{fmt.name} declares precision {self.precision!r}, which cannot read it: {problem}")
         if self.has_sink and not self.final_output:
             raise ValueError("has_sink needs final_output (the merge kernel applies the sink otherwise)")
         if self.precision not in PRECISIONS:

@@ -24,7 +24,7 @@ def two_ctas_per_sm(cfg: PartialConfig, plan: SplitPlan, *, num_tokens: int, num
                     smem_per_sm: int) -> bool:
     """Whether the planned grid runs two CTAs at once on some SM, so that the kernel must be
     held to half the registers (``PartialConfig.two_ctas_per_sm``): only for a ``cfg`` planned
-    that way (``dispatch.policy.variant_space.partial_shape_config``), on a GPU whose SMs hold two (the
+    that way (``head_groups.partial_shape_config``), on a GPU whose SMs hold two (the
     H200, not sm_120), and a grid of more CTAs than SMs. Otherwise each SM runs at most one
     CTA and the kernel may use every register."""
     if not cfg.two_ctas_per_sm or resident_ctas_per_sm(cfg, smem_per_sm) < 2:

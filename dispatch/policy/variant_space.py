@@ -12,7 +12,7 @@ is a runtime argument, so the set of variants is small and closed:
              final mode without sink | final mode with sink; split mode alone for a format
              read only as an extra cache), and for an "f16" kernel that can be held to two
              CTAs on an arch whose SMs hold two of it (MODEL1's on sm_90a), x two_ctas_per_sm
-             (the 128-register launch bound: ``occupancy.two_ctas_per_sm``)
+             (the 128-register launch bound: ``splits.two_ctas_per_sm``)
     merge:   has_sink x split_batch (``merge_batch_for(num_splits)``): every format's value
              width is the same (``kv_format.D_V``), so one merge kernel serves them all
 
@@ -61,7 +61,7 @@ def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: in
     """The variants to launch, in order, for the call of one format described by ``md`` (its
     ``kv_format`` must be known), split ``num_splits`` ways with ``head_groups`` 16-head groups
     per CTA (``head_groups_for``), the partial kernel held to two CTAs' registers per SM or not
-    (``occupancy.two_ctas_per_sm``). ``split_mode``: split partials even for one split (one list
+    (``splits.two_ctas_per_sm``). ``split_mode``: split partials even for one split (one list
     of a call of two formats: ``selection.select_kernels``)."""
     if md.kv_format is None:
         raise ValueError(f"{md.describe()}: the call's kv_format must be known to pick its kernels")

@@ -289,8 +289,9 @@ class DecodePlan:
         tensors = tuple(t for t in given + (scratch if self.scratch_bytes else None,) if t is not None)
         return BoundDecode(self, self._make_kernels(values + [0]), tensors, out, lse)
 
-    def launch_laid_out(self, given: DecodeTensors, sm_scale, scratch) -> bool:
-        """Launch on tensors (None where absent) whose layout is known to be the planned one:
+    def launch_laid_out(self, given: tuple, sm_scale, scratch) -> bool:
+        """Launch on tensors (a ``DecodeTensors``, or a plain tuple in its field order; None
+        where absent) whose layout is known to be the planned one:
         the one-shot call's plan cache compared it (``plan_cache``). Checks only what the layout does not fix, each address's
         alignment and the scale (a finite float or None), and returns False without
         launching where one fails (the caller then validates the call in full, which says
