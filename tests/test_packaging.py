@@ -44,7 +44,9 @@ _SERVE_REGISTRY = textwrap.dedent("""
     for arch in ("sm_120a", "sm_121a"):
         for precision in precisions_for(arch):
             for md, sms in deployment_calls(precision, arch):  # each call's kernels, as a plan selects them
-                planned.update(select_kernels(md, arch, sms, SMEM_PER_SM_BY_ARCH[arch], precision).variants)
+                chosen = select_kernels(md, arch, num_sms=sms, smem_per_sm=SMEM_PER_SM_BY_ARCH[arch],
+                                        precision=precision)
+                planned.update(chosen.variants)
     for v in sorted(planned, key=lambda v: v.name):
         loader.get_compiled(v)  # MissingAotVariant if the wheel lacks it
     print(json.dumps({"planned": len(planned), **loader.stats}))
