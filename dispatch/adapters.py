@@ -272,9 +272,11 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     q, o, sink = query, out, sinks
     if num_valid_heads is not None:
         q, o, sink = _valid_heads(query, out, sinks, num_valid_heads, main_format)
-    given = DecodeTensors(q=q, kv_cache=swa_kv_cache, indices=sparse_indices, topk_length=swa_topk_lens,
-                          attn_sink=sink, out=o, extra_kv_cache=compressed_kv_cache,
-                          extra_indices=extra_sparse_indices, extra_topk_length=extra_sparse_topk_lens)
+    # q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
+    # extra_topk_length: the record from a tuple in its fields' order (a keyword call costs
+    # three times as much on this hot path; the order is tested in tests/test_adapters.py)
+    given = DecodeTensors._make((q, swa_kv_cache, sparse_indices, swa_topk_lens, sink, o, None, compressed_kv_cache,
+                                 extra_sparse_indices, extra_sparse_topk_lens))
     result, lse = one_shot_decode(given, sm_scale=bmm1_scale, lse_convention="natural", precision=None,
                                   kv_format=main_format, keep_lse=return_lse, caller_tag=kv_layout,
                                   extra_kv_format=None if compressed_kv_cache is None else extra_format,

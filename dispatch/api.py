@@ -15,9 +15,8 @@ from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
 from cute_kernels.sparse_mla_decode.cache_view import (
     CacheLayoutError, CacheView, extra_format_of, format_of, read_cache_view,
 )
-from cute_kernels.sparse_mla_decode.config import PRECISIONS
 from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
-from cute_kernels.sparse_mla_decode.kv_format import FORMATS, KvFormat, formats_of_width, get_format
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS, PRECISIONS, KvFormat, formats_of_width, get_format
 
 from .policy.call_metadata import DecodeMetadata, InvalidDecodeInput
 from .policy.precision import check_format_precision, resolve_precision
@@ -28,13 +27,12 @@ from .runtime.lse import LSE_CONVENTIONS, check_convention, convert_lse
 from .runtime.plan_cache import CachedPlan, PlanCache, layout_key
 
 INT32_MAX = 2**31 - 1  # the largest slot an int32 index can name
-_new_record = tuple.__new__
 # the byte alignment the kernels assume of each pointer argument (``kernel_args``)
 _ALIGN = {a.name: a.align for a in PARTIAL_ARGS if a.kind == "ptr"}
 
 
 @functools.lru_cache(maxsize=None)
-def _device_target(index: int):
+def device_target(index: int):
     """(compile arch or None, SM count, shared memory per SM) of a CUDA device; read once."""
     props = torch.cuda.get_device_properties(index)
     return (arch_for_capability((props.major, props.minor)), props.multi_processor_count,
@@ -372,7 +370,7 @@ def validate_tensors(given: DecodeTensors, *, sm_scale=None, precision=None, kv_
         if device.type != "cuda":
             check.fail(f"the inputs are on {device}: the kernels run on CUDA devices only")
         device_index = device.index if device.index is not None else torch.cuda.current_device()
-        arch, num_sms, smem_per_sm = _device_target(device_index)
+        arch, num_sms, smem_per_sm = device_target(device_index)
     if arch is None:
         check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
@@ -532,11 +530,10 @@ def sparse_mla_decode(
         InvalidDecodeInput (a ValueError): before any GPU work, for an input this function
         cannot serve; the message names the call's shape and what was expected.
     """
-    # the record built from a tuple in the fields' order, without NamedTuple's argument parsing
-    # (a third of a keyword call's cost, on the one-shot hot path; the order is tested in
-    # tests/test_plan_cache.py)
-    given = _new_record(DecodeTensors, (q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache,
-                                        extra_indices, extra_topk_length))
+    # the record from a tuple in its fields' order (a third of a keyword call's cost on this hot
+    # path; the order is tested in tests/test_plan_cache.py)
+    given = DecodeTensors._make((q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
+                                 extra_topk_length))
     return one_shot_decode(given, sm_scale=sm_scale, lse_convention=lse_convention, precision=precision,
                            kv_format=kv_format, extra_kv_format=extra_kv_format)
 

@@ -55,7 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from cute_kernels.sparse_mla_decode.config import PRECISIONS, PartialConfig
+from cute_kernels.sparse_mla_decode.config import PartialConfig
+from cute_kernels.sparse_mla_decode.kv_format import PRECISIONS
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
 from dispatch.policy.occupancy import ctas_per_split

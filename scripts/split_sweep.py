@@ -24,7 +24,7 @@ import torch
 
 
 from dispatch import PlanOverrides, validate_call
-from dispatch.policy.selection import select_kernels
+from dispatch.policy.selection import select_for_call
 from dispatch.policy.splits import MAX_SPLITS
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
 from scripts.bench import Caches, call_inputs, graph_time_us, inputs, plan_runner
@@ -59,8 +59,7 @@ def main(argv=None) -> int:
         q, idx, e_idx, _ = inputs(T, H, shape, gen)
         cache, kw = call_inputs(shape, caches, DEFAULT_FORMAT, e_idx)
         call = validate_call(q, cache, idx, precision=precision, **kw)
-        selection = select_kernels(call.launch_metadata, call.arch, num_sms=call.num_sms, smem_per_sm=call.smem_per_sm,
-                                   precision=call.precision, overrides=PlanOverrides(head_groups=groups))
+        selection = select_for_call(call, PlanOverrides(head_groups=groups))
         chosen = selection.split
         candidates = {chosen.num_splits} if plan_only else split_candidates(chosen.num_chunks) | {chosen.num_splits}
         times = {}

@@ -207,3 +207,25 @@ def test_adapters_refuse_an_unknown_lse_convention_first(adapter):
             adapters.trtllm_batch_decode_sparse_mla_dsv4(base["q"], base["kv_cache"], None, base["indices"],
                                                          return_lse=adapter == "trtllm", lse_convention="log10")
     assert info.value.metadata.num_heads == 16
+
+
+def test_dsv4_adapter_hands_each_tensor_to_its_own_field(monkeypatch):
+    """The vLLM adapter builds its ``DecodeTensors`` by position (its hot path): each of
+    vLLM's tensors lands in the field of its meaning."""
+    from dispatch import adapters
+
+    seen = {}
+
+    def capture(given, **options):
+        seen.update(given._asdict(), options=options)
+        raise InvalidDecodeInput(adapters.DecodeMetadata(), "captured")
+
+    monkeypatch.setattr(adapters, "one_shot_decode", capture)
+    kw = _vllm_dsv4_call()
+    _refused(trtllm_batch_decode_sparse_mla_dsv4, **kw)
+    expected = dict(q=kw["query"], kv_cache=kw["swa_kv_cache"], indices=kw["sparse_indices"],
+                    topk_length=kw["swa_topk_lens"], attn_sink=kw["sinks"], out=kw["out"], lse=None,
+                    extra_kv_cache=kw["compressed_kv_cache"], extra_indices=kw["extra_sparse_indices"],
+                    extra_topk_length=kw["extra_sparse_topk_lens"])
+    assert all(seen[name] is t for name, t in expected.items()), [n for n, t in expected.items() if seen[n] is not t]
+    assert seen["options"]["sm_scale"] == kw["bmm1_scale"]

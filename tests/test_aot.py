@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from cute_kernels.arch import SMEM_PER_CTA_MAX
-from cute_kernels.sparse_mla_decode.config import PRECISIONS
-from cute_kernels.sparse_mla_decode.kv_format import FORMATS
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS, PRECISIONS
 from dispatch.policy.registry import DEPLOYMENT_SHAPES, registry_variants
 from dispatch.policy.variant_space import variant_space
 from dispatch.runtime import loader

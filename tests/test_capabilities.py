@@ -1,6 +1,7 @@
-"""What each cache format is served with is declared once, on its ``KvFormat`` entry (``paths``,
-``extras``, ``main``), and every reader takes it from there: a format built from existing parts
-is served by adding its entry and its writers, nothing else (CPU)."""
+"""What each cache format is served with lives on its ``KvFormat`` entry (``extras`` and ``main``
+declared, ``paths`` from its layout by ``kv_format.path_problem``), and every reader takes it from
+there: a format built from existing parts is served by adding its entry and its writers, nothing
+else (CPU)."""
 
 import dataclasses
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode import cache_writers, kv_format
-from cute_kernels.sparse_mla_decode.config import PATH_ARCHS, PRECISIONS, PartialConfig, path_problem
+from cute_kernels.sparse_mla_decode.config import PATH_ARCHS, PartialConfig
 from cute_kernels.sparse_mla_decode.kv_format import (
-    EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, V41_FP8, V41_NVFP4, formats_of_width,
+    EXTRA_FORMATS, FORMATS, PRECISIONS, V41_FP8, V41_NVFP4, formats_of_width, path_problem,
 )
 from dispatch import InvalidDecodeInput
 from dispatch.adapters import DSV4_KV_CACHE_FORMATS
@@ -25,16 +26,16 @@ from dispatch.tools.sample_inputs import make_cache, make_indices
 from .dispatch_inputs import _stub_kernels
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
-def test_each_format_declares_paths_its_kernels_read_and_pairings_that_exist(name):
-    fmt = FORMATS[name]
-    assert fmt.paths and fmt.paths == tuple(p for p in PRECISIONS if p in fmt.paths), fmt.paths  # PRECISIONS order
-    assert "f16" in fmt.paths  # the default path reads every format
-    for path in fmt.paths:
-        assert path_problem(path, fmt) is None, (name, path)
-    assert set(fmt.extras) <= set(FORMATS) and (not fmt.extras or fmt.main)
-    if not fmt.main:  # read only as an extra cache: some main format pairs with it
-        assert any(name in m.extras for m in FORMATS.values())
+def test_each_format_is_read_by_the_paths_its_layout_allows():
+    assert {name: f.paths for name, f in FORMATS.items()} == {
+        "model1_fp8": ("bf16", "f16", "fp8", "mxf8"), "model1_nvfp4": ("f16",),
+        "v32_fp8": ("bf16", "f16", "fp8"), "glm_nope_fp8": ("bf16", "f16", "fp8"),
+        "v41_fp8": ("bf16", "f16"), "v41_fp8_inline": ("bf16", "f16"), "v41_nvfp4": ("f16",),
+        "v41_nvfp4_inline": ("f16",)}
+    for fmt in FORMATS.values():
+        assert set(fmt.extras) <= set(FORMATS) and (not fmt.extras or fmt.main)
+        if not fmt.main:  # read only as an extra cache: some main format pairs with it
+            assert any(fmt.name in m.extras for m in FORMATS.values())
 
 
 def test_path_problem_names_what_a_kernel_cannot_read():
@@ -43,21 +44,14 @@ def test_path_problem_names_what_a_kernel_cannot_read():
     assert "fp32 scales" in path_problem("mxf8", FORMATS["v32_fp8"])
     assert path_problem("fp8", FORMATS["v32_fp8"]) is None  # an FP32 scale per 128 dims: applied per 64-dim unit
     assert "not one of" in path_problem("f32", V41_FP8)
-    # which paths each layout allows, over every format: the declarations use all of them
-    assert {name: tuple(p for p in PRECISIONS if path_problem(p, f) is None) for name, f in FORMATS.items()} == {
-        name: f.paths for name, f in FORMATS.items()}
+    assert PRECISIONS == ("bf16", "f16", "fp8", "mxf8")
 
 
-def test_a_path_a_format_does_not_declare_or_cannot_read_is_refused_by_its_kernel_config():
-    with pytest.raises(ValueError, match="does not read v41_fp8 caches"):
+def test_a_path_a_format_cannot_read_is_refused_by_its_kernel_config():
+    with pytest.raises(ValueError, match="precision 'fp8' does not read v41_fp8 caches: the FP8 paths apply one "
+                                         "UE8M0 scale per 64-dim MMA unit, not per 32 dims"):
         PartialConfig(kv_format=V41_FP8.name, precision="fp8").check()
-    wrong = dataclasses.replace(V41_FP8, name="test_wrong_paths", paths=("bf16", "f16", "fp8"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(kv_format.FORMATS, wrong.name, wrong)
-        PartialConfig(kv_format=wrong.name, precision="f16").check()
-        with pytest.raises(ValueError, match="test_wrong_paths declares precision 'fp8', which cannot read it: "
-                                             "the FP8 paths apply one UE8M0 scale per 64-dim MMA unit"):
-            PartialConfig(kv_format=wrong.name, precision="fp8").check()
+    PartialConfig(kv_format=V41_FP8.name, precision="bf16").check()
 
 
 def test_the_pairings_are_the_models_combinations():
@@ -65,7 +59,7 @@ def test_the_pairings_are_the_models_combinations():
                              "model1_nvfp4": ("model1_nvfp4", "model1_fp8"),
                              "v41_fp8": ("v41_fp8", "v41_nvfp4"),
                              "v41_fp8_inline": ("v41_fp8_inline", "v41_nvfp4_inline")}
-    assert EXTRA_ONLY_FORMATS == ("v41_nvfp4", "v41_nvfp4_inline")
+    assert sorted(f.name for f in FORMATS.values() if not f.main) == ["v41_nvfp4", "v41_nvfp4_inline"]
     for main, extra in DSV4_KV_CACHE_FORMATS.values():  # the adapter's kv_cache_format names: declared pairs
         assert extra in FORMATS[main].extras, (main, extra)
 
@@ -78,9 +72,10 @@ def test_mxf8_is_compiled_only_where_the_block_scaled_mma_is():
 
 def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypatch):
     """V4.1's FP8 record under a new name, paired with V4.1's NVFP4 record: with its entry in
-    ``FORMATS`` and its writers in ``WRITERS`` (nothing else changed), the width lookup, the
-    precision policy, the variant space, validation (its pairing and its paths) and a plan
-    (kernels stubbed) all serve it."""
+    ``FORMATS`` and its writers in ``WRITERS`` (nothing else changed; here added at run time,
+    so the plan's cached variant-space set is bypassed), the width lookup, the precision
+    policy, the variant space, validation (its pairing and its paths) and a plan (kernels
+    stubbed) all serve it."""
     new = dataclasses.replace(V41_FP8, name="test_fp8_record", model_type="Test model (528 B FP8 rows)",
                               extras=("test_fp8_record", V41_NVFP4.name))
     monkeypatch.setitem(kv_format.FORMATS, new.name, new)
@@ -107,5 +102,5 @@ def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypat
     assert call.fmt is new and call.extra.fmt.name == V41_NVFP4.name and call.precision == "f16"
     plan = DecodePlan(call)
     assert plan.kv_format == new.name and plan.extra_kv_format == V41_NVFP4.name
-    with pytest.raises(InvalidDecodeInput, match="does not read test_fp8_record caches"):
+    with pytest.raises(InvalidDecodeInput, match="does not read test_fp8_record caches .the FP8 paths"):
         validate_call(q, cache, make_indices(2, 128, 256, device="cpu"), precision="fp8", **kw)

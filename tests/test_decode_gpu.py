@@ -21,7 +21,7 @@ from cute_kernels.sparse_mla_decode.cache_view import read_cache_view
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode, validate_call
-from dispatch.policy.selection import select_kernels
+from dispatch.policy.selection import select_for_call
 from dispatch.policy.occupancy import two_bounded_f16_ctas_fit
 from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.inputs import lengths_of, sink_of
@@ -268,8 +268,7 @@ def test_decode_matches_reference(case: Case, precision: str):
 
     outs = run_twice(case, q, idx, call, seed)
     validated = validate_call(q, cache, idx, precision=precision, **kw)  # the dispatch's choice, for the label
-    chosen = select_kernels(validated.launch_metadata, validated.arch, num_sms=validated.num_sms,
-                            smem_per_sm=validated.smem_per_sm, precision=validated.precision)
+    chosen = select_for_call(validated)
     check_case(case, precision, seed, outs, q, cache, idx, kw,
                f"{precision} groups={chosen.head_groups} splits={chosen.num_splits}")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cute_kernels.sparse_mla_decode.config import PRECISIONS, MergeConfig, PartialConfig
+from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
+from cute_kernels.sparse_mla_decode.kv_format import PRECISIONS
 
 
 def test_every_compute_path_has_exactly_one_class():

@@ -10,7 +10,7 @@ import torch
 from cute_kernels.sparse_mla_decode.cache_view import read_cache_view
 from cute_kernels.sparse_mla_decode.e2m1 import e2m1_decode
 from cute_kernels.sparse_mla_decode.kv_format import (
-    EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8,
+    EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8,
 )
 from dispatch import InvalidDecodeInput, kv_formats, sparse_mla_decode
 from tests.dispatch_inputs import MODEL1
@@ -65,7 +65,7 @@ def test_pack_pads_to_whole_blocks_and_unpack_returns_the_latent(kv_format):
                                              kv_format).reshape(-1, fmt.d_qk)[:100], latent)
     q = torch.randn(1, 16, fmt.d_qk).to(torch.bfloat16)
     idx = torch.zeros(1, 8, dtype=torch.int32)
-    if kv_format in EXTRA_ONLY_FORMATS:  # read only as an extra cache, beside a main cache it pairs with
+    if not FORMATS[kv_format].main:  # read only as an extra cache, beside a main cache it pairs with
         with pytest.raises(InvalidDecodeInput, match="is read only as an extra"):
             sparse_mla_decode(q, cache, idx, kv_format=kv_format)
         main = next(m for m, extras in EXTRA_FORMATS.items() if kv_format in extras)

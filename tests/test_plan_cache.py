@@ -105,14 +105,15 @@ def test_plan_cache_keeps_buffers_within_its_byte_cap(monkeypatch):
     def alloc(n):
         return lambda: torch.empty(n, dtype=torch.uint8)
 
-    first = cache._buffer("scratch", 0, 300, alloc(300))
-    assert cache._buffer("scratch", 0, 200, alloc(200)) is first  # big enough: reused
-    grown = cache._buffer("scratch", 0, 600, alloc(600))
+    first = cache._buffer("scratch", 0, 300, alloc(300))[0]
+    assert cache._buffer("scratch", 0, 200, alloc(200))[0] is first  # big enough: reused
+    grown = cache._buffer("scratch", 0, 600, alloc(600))[0]
     assert grown is not first and cache.info()["scratch_bytes"] == 600
-    lse = cache._buffer("lse", 0, 400, alloc(400))
+    lse = cache._buffer("lse", 0, 400, alloc(400))[0]
     assert cache.info()["buffer_bytes"] == 1000 and cache.info()["lse_bytes"] == 400
-    own = cache._buffer("lse", 0, 500, alloc(500))  # 600 + 500 > 1000: the call's own
-    assert own is not lse and cache.info()["lse_bytes"] == 400 and cache._buffer("lse", 0, 100, alloc(100)) is lse
+    own, own_views = cache._buffer("lse", 0, 500, alloc(500))  # 600 + 500 > 1000: the call's own, no views
+    assert own is not lse and own_views is None and cache.info()["lse_bytes"] == 400
+    assert cache._buffer("lse", 0, 100, alloc(100))[0] is lse
     assert cache.info()["buffer_bytes"] <= cache.byte_cap
     cache.clear()
     assert cache.info()["buffers"] == 0
@@ -120,8 +121,8 @@ def test_plan_cache_keeps_buffers_within_its_byte_cap(monkeypatch):
 
 def test_discarded_lse_is_one_view_per_layout_of_the_kept_buffer(monkeypatch):
     """A call that wants no lse gets a view of the stream's kept lse buffer: the same view
-    while that buffer is kept; none kept once the buffer grows (the old one is freed) or when
-    the call is served past the byte cap (its own buffer is not kept)."""
+    while that buffer is kept; the views go with a buffer that grows (the old one is freed),
+    and none is kept of a call served past the byte cap (its own buffer is not kept)."""
     import dispatch.runtime.plan_cache as pc
 
     monkeypatch.setattr(pc, "_capturing", lambda: False)
@@ -139,11 +140,12 @@ def test_discarded_lse_is_one_view_per_layout_of_the_kept_buffer(monkeypatch):
     assert first.shape == (2, 16) and cache.discarded_lse(small) is first  # repeated: the same view
     kept = first._base
     grown = cache.discarded_lse(large)  # 256 bytes: the buffer grows, the old views are dropped
-    assert grown._base is not kept and small.lse_view is None
+    (_, _, views), = cache._buffers.values()
+    assert grown._base is not kept and list(views) == [(4, 16)]  # the old buffer's views are gone with it
     again = cache.discarded_lse(small)
     assert again._base is grown._base and again.shape == (2, 16)
     own = cache.discarded_lse(huge)  # 512 bytes > the 400-byte cap: the call's own buffer
-    assert own.shape == (8, 16) and own._base is not grown._base and huge.lse_view is None
+    assert own.shape == (8, 16) and own._base is not grown._base and (8, 16) not in views
     assert cache.discarded_lse(small) is again and cache.info()["lse_bytes"] == 256
 
 
@@ -195,3 +197,11 @@ def test_a_cache_hit_launches_what_plan_run_launches(monkeypatch):
     q = _misaligned(call.tensors.q, 2)
     assert q.stride() == call.tensors.q.stride() and not plan.launch_laid_out((q,) + given[1:], 0.05, scratch)
     assert len(launched) == 3
+    # the overlap check remembers the last addresses it passed, never a refusal: an out laid over
+    # q (same shape and dtype) is declined after a clean call, then the clean call launches again
+    aliased = given._replace(out=given.q)
+    assert not plan.launch_laid_out(aliased, 0.05, scratch) and len(launched) == 3
+    with pytest.raises(ValueError, match="out overlaps q in memory"):
+        plan.run(t.q, t.kv_cache, t.indices, out=t.q, lse=t.lse, scratch=scratch, topk_length=t.topk_length)
+    assert plan.launch_laid_out(given, 0.05, scratch) and len(launched) == 4
+    assert not plan.launch_laid_out(aliased, 0.05, scratch) and len(launched) == 4

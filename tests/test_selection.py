@@ -11,7 +11,7 @@ import pytest
 
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
 from cute_kernels.sparse_mla_decode.kv_format import (
-    EXTRA_FORMATS, EXTRA_ONLY_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_NVFP4, V32_FP8, get_format,
+    EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_NVFP4, V32_FP8, get_format,
 )
 from dispatch.policy.call_metadata import DecodeMetadata
 from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
@@ -42,7 +42,7 @@ def test_variant_keys_follow_the_metadata(kv_format):
         space = variant_space("sm_120a")
         assert partial in space and merge in space
         # a format read only as an extra cache runs in split mode alone (a list of a two-format call)
-        assert (final in space) == (kv_format not in EXTRA_ONLY_FORMATS), final.name
+        assert (final in space) == FORMATS[kv_format].main, final.name
 
 
 def test_variants_need_the_format():
@@ -307,7 +307,7 @@ def test_precision_defaults_and_availability():
         # of its own format), never held (288 threads); V4.1 NVFP4, read only as an extra
         # cache: "f16", split mode alone (2 groups x with or without lengths)
         want.update({(f, p): 24 for f in ("v41_fp8", "v41_fp8_inline") for p in ("bf16", "f16")})
-        want.update({(f, "f16"): 4 for f in EXTRA_ONLY_FORMATS})
+        want.update({(f.name, "f16"): 4 for f in FORMATS.values() if not f.main})
         assert counts == want, arch
 
 

@@ -133,7 +133,8 @@ BAD = [
     ("precision bf16 with an NVFP4 extra cache", V41,
      dict(kv_format="v41_fp8", extra_kv_cache=V41_NVFP4_CACHE, extra_indices=_EXTRA_IDX, extra_kv_format="v41_nvfp4",
           precision="bf16"),
-     "precision 'bf16' does not read v41_nvfp4 caches (e2m1 values): use one of ('f16',)"),
+     "precision 'bf16' does not read v41_nvfp4 caches (e2m1 values are read by the \"f16\" path only): use one of "
+     "('f16',)"),
     ("length int64", {}, dict(topk_length=torch.zeros(2, dtype=torch.int64)), "topk_length must be int32"),
     ("length shape", {}, dict(topk_length=torch.zeros(2, 2, dtype=torch.int32)), "topk_length has shape [2, 2]"),
     ("length rows strided", _BATCHED, dict(topk_length=_STRIDED_ROWS), "topk_length must be contiguous"),
@@ -174,7 +175,8 @@ BAD = [
      "lse_convention must be one of ('natural', 'log2_with_sink', 'natural_with_sink')"),
     ("precision unknown", {}, dict(precision="fp16"), "precision must be one of ('bf16', 'f16', 'fp8', 'mxf8')"),
     ("precision mxf8 on V3.2", V32, dict(precision="mxf8"),
-     "precision 'mxf8' does not read v32_fp8 caches (fp32 scales): use one of ('bf16', 'f16', 'fp8')"),
+     "precision 'mxf8' does not read v32_fp8 caches (the block-scaled MMA takes UE8M0 scale bytes, not fp32 scales): "
+     "use one of ('bf16', 'f16', 'fp8')"),
     ("valid but on cpu", {}, {}, "the kernels run on CUDA devices only"),
     ("valid V3.2 call on cpu", V32, {}, "the kernels run on CUDA devices only"),
     ("valid GLM-5.3 call on cpu", dict(kv_cache=GLM_POOL_CACHE), dict(kv_format="glm_nope_fp8"),

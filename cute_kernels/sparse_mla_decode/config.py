@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 from ..arch import BLOCK_SCALED_ARCHS, MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
 from . import tuning
-from .kv_format import DEFAULT_FORMAT, D_V, NOPE_TILE, KvFormat, get_format
+from .kv_format import DEFAULT_FORMAT, D_V, KvFormat, get_format, path_problem
 from .smem import Region, SmemPlan
 
-PRECISIONS = ("bf16", "f16", "fp8", "mxf8")  # the compute paths (``docs/design.md``, "Precision")
 # the compute paths compiled only for some archs (the others: for every supported arch)
 PATH_ARCHS = {"mxf8": BLOCK_SCALED_ARCHS}  # SM120's block-scaled MMA
 HEAD_GROUPS = (1, 2)  # 16-head groups one partial-kernel CTA can cover (PartialConfig.head_groups)
@@ -23,23 +22,6 @@ FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 
 F16_SOFTMAX_THREADS = 256
 F16_S_ROW = 40  # floats per head row of a warp's partial S: 32 entries + 8 (conflict-free STS.64 / LDS.128)
 F16_P_ROW_BYTES = 80  # bytes per head row of P in f16 or bf16: 32 entries + 8 (conflict-free ldmatrix)
-
-
-def path_problem(path: str, fmt: KvFormat) -> str | None:
-    """Why the kernel of compute path ``path`` cannot read ``fmt``'s caches, None where it can:
-    e2m1 values (NVFP4) only "f16" (value times scale becomes an exact f16 operand in
-    registers); the FP8 paths take UE8M0 scales one per 64-dim MMA unit (not per 32, V4.1);
-    "mxf8" only UE8M0 scales (the block-scaled MMA takes the scale bytes themselves). A
-    format declares its paths (``KvFormat.paths``); this is what the declaration must meet."""
-    if path not in PRECISIONS:
-        return f"precision {path!r} is not one of {PRECISIONS}"
-    if fmt.e2m1 and path != "f16":
-        return "e2m1 values are read by the \"f16\" path only"
-    if path in ("fp8", "mxf8") and fmt.scale_type == "ue8m0" and fmt.scale_group != NOPE_TILE:
-        return f"the FP8 paths apply one UE8M0 scale per {NOPE_TILE}-dim MMA unit, not per {fmt.scale_group} dims"
-    if path == "mxf8" and fmt.scale_type != "ue8m0":
-        return f"the block-scaled MMA takes UE8M0 scale bytes, not {fmt.scale_type} scales"
-    return None
 
 
 @dataclass(frozen=True)
@@ -183,15 +165,11 @@ class PartialConfig:
     def check(self) -> None:
         """Raise ValueError when this configuration cannot be generated."""
         fmt = get_format(self.kv_format)
-        if self.precision not in fmt.paths:
-            raise ValueError(f"precision {self.precision!r} does not read {fmt.name} caches (one of {fmt.paths})")
         problem = path_problem(self.precision, fmt)
         if problem:
-            raise ValueError(f"{fmt.name} declares precision {self.precision!r}, which cannot read it: {problem}")
+            raise ValueError(f"precision {self.precision!r} does not read {fmt.name} caches: {problem}")
         if self.has_sink and not self.final_output:
             raise ValueError("has_sink needs final_output (the merge kernel applies the sink otherwise)")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         if self.heads_per_group != 16:
             raise ValueError("heads_per_group must be 16 (one m16 MMA tile)")
         if self.head_groups not in HEAD_GROUPS or self.heads_per_cta > self.block_n:

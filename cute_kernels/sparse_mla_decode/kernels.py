@@ -8,7 +8,8 @@ Importing this module imports the CuTe DSL: the dispatch imports it only to comp
 
 from __future__ import annotations
 
-from .config import PRECISIONS, MergeConfig, PartialConfig
+from .config import MergeConfig, PartialConfig
+from .kv_format import PRECISIONS
 from .merge import MergeKernel
 from .partial_bf16 import PartialBf16Kernel
 from .partial_f16 import PartialF16Kernel

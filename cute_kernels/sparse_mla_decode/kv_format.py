@@ -35,6 +35,7 @@ UE8M0_BIAS = 127
 FP8_E4M3_MAX = 448.0
 NOPE_TILE = 64  # nope dims per "f16" nope warp and per FP8-path MMA unit
 D_V = 512  # every format's value width: the output rows and the merge kernel's
+PRECISIONS = ("bf16", "f16", "fp8", "mxf8")  # the compute paths (``docs/design.md``, "Precision")
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,11 @@ class KvFormat:
     imply, the first the default.
 
     What the library serves of it is declared here and read everywhere else (validation, the
-    variant space, the AOT registry, the adapters, the self-test): ``paths``, the compute
-    paths that read it (``config.PRECISIONS`` names, in that order; ``config.path_problem``
-    says what each path's kernel can read); ``extras``, the formats an extra (compressed)
-    cache beside a main cache of this one may have (the model's combinations; none: no extra
-    cache); ``main``, whether it is read as a main cache at all (False: only as an extra)."""
+    variant space, the AOT registry, the adapters, the self-test): ``extras``, the formats an
+    extra (compressed) cache beside a main cache of this one may have (the model's
+    combinations; none: no extra cache); ``main``, whether it is read as a main cache at all
+    (False: only as an extra); and, from its layout, ``paths``, the compute paths whose kernels
+    read it (``path_problem``)."""
 
     name: str
     model_type: str
@@ -59,7 +60,6 @@ class KvFormat:
     scale_type: str
     scale_group: int
     scale_placement: str  # "footer" | "inline"
-    paths: tuple[str, ...]
     extras: tuple[str, ...] = ()
     main: bool = True
     footer_pad: int = 0
@@ -70,6 +70,11 @@ class KvFormat:
     @property
     def e2m1(self) -> bool:
         return self.element == "e2m1"
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The compute paths whose kernels read this format, in ``PRECISIONS`` order."""
+        return tuple(p for p in PRECISIONS if path_problem(p, self) is None)
 
     @property
     def fp32_scales(self) -> bool:
@@ -186,43 +191,43 @@ class KvFormat:
 MODEL1_FP8 = KvFormat(
     name="model1_fp8", model_type="DeepSeek-V4 sparse MLA decode (MODEL1 FP8 cache, 584 B per token)",
     nope_dims=448, rope_dims=64, rope_in_v=True, scale_type="ue8m0", scale_group=64, scale_placement="footer",
-    paths=("bf16", "f16", "fp8", "mxf8"), extras=("model1_fp8", "model1_nvfp4"), footer_pad=1,
+    extras=("model1_fp8", "model1_nvfp4"), footer_pad=1,
 )
 V32_FP8 = KvFormat(
     name="v32_fp8", model_type="DeepSeek-V3.2 / GLM-5 sparse MLA decode (656 B FP8 rows, FP32 scales)",
     nope_dims=512, rope_dims=64, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
-    paths=("bf16", "f16", "fp8"), row_pitches=(656,),
+    row_pitches=(656,),
 )
 MODEL1_NVFP4 = KvFormat(
     name="model1_nvfp4", model_type="DeepSeek-V4 sparse MLA decode (NVFP4 cache, 384 B per token)",
     nope_dims=448, rope_dims=64, rope_in_v=True, scale_type="e4m3", scale_group=16, scale_placement="footer",
-    paths=("f16",), extras=("model1_nvfp4", "model1_fp8"), footer_pad=4, element="e2m1",
+    extras=("model1_nvfp4", "model1_fp8"), footer_pad=4, element="e2m1",
 )
 GLM_NOPE_FP8 = KvFormat(
     name="glm_nope_fp8", model_type="GLM-5.3 sparse MLA decode (528 B rope-free FP8 rows, FP32 scales)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="fp32", scale_group=128, scale_placement="inline",
-    paths=("bf16", "f16", "fp8"), row_pitches=(528, 656),
+    row_pitches=(528, 656),
 )
 
 V41_FP8 = KvFormat(
     name="v41_fp8", model_type="DeepSeek-V4.1 sparse MLA decode (528 B FP8 rows, footer UE8M0 scales per 32)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="ue8m0", scale_group=32, scale_placement="footer",
-    paths=("bf16", "f16"), extras=("v41_fp8", "v41_nvfp4"),
+    extras=("v41_fp8", "v41_nvfp4"),
 )
 V41_FP8_INLINE = KvFormat(
     name="v41_fp8_inline", model_type="DeepSeek-V4.1 sparse MLA decode (528 B FP8 records, inline UE8M0 per 32)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="ue8m0", scale_group=32, scale_placement="inline",
-    paths=("bf16", "f16"), extras=("v41_fp8_inline", "v41_nvfp4_inline"), row_pitches=(528,), flat_rows=True,
+    extras=("v41_fp8_inline", "v41_nvfp4_inline"), row_pitches=(528,), flat_rows=True,
 )
 V41_NVFP4 = KvFormat(
     name="v41_nvfp4", model_type="DeepSeek-V4.1 sparse MLA decode (288 B NVFP4 extra rows, footer E4M3 scales)",
     nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="e4m3", scale_group=16, scale_placement="footer",
-    paths=("f16",), main=False, element="e2m1",
+    main=False, element="e2m1",
 )
 V41_NVFP4_INLINE = KvFormat(
     name="v41_nvfp4_inline", model_type="DeepSeek-V4.1 sparse MLA decode (288 B NVFP4 extra records, inline "
     "E4M3 scales)", nope_dims=512, rope_dims=0, rope_in_v=False, scale_type="e4m3", scale_group=16,
-    scale_placement="inline", paths=("f16",), main=False, row_pitches=(288,), flat_rows=True, element="e2m1",
+    scale_placement="inline", main=False, row_pitches=(288,), flat_rows=True, element="e2m1",
 )
 
 FORMATS = {f.name: f for f in (MODEL1_FP8, MODEL1_NVFP4, V32_FP8, GLM_NOPE_FP8, V41_FP8, V41_FP8_INLINE, V41_NVFP4,
@@ -234,15 +239,30 @@ DEFAULT_FORMAT = MODEL1_FP8.name
 # 528-byte row (GLM-5.3, V4.1 FP8) and a 288-byte one (V4.1 NVFP4) must be named
 FORMAT_BY_WIDTH = {MODEL1_FP8.bytes_per_token: MODEL1_FP8.name, MODEL1_NVFP4.bytes_per_token: MODEL1_NVFP4.name,
                    V32_FP8.row_bytes: V32_FP8.name}
-# The pairings and the extra-only formats, as the formats declare them (``KvFormat.extras``,
-# ``KvFormat.main``), for readers of the whole table. The models' combinations: DeepSeek-V4,
-# its FP8 or NVFP4 record for either cache (a deployment may keep the compressed cache in the
-# smaller record, or the sliding window); DeepSeek-V4.1, an FP8 sliding-window cache with an
-# FP8 or NVFP4 compressed cache, both with the same scale placement (FlashInfer's footer
-# route, or FlashMLA's V4.1 inline records). The extra cache's format:
-# ``cache_view.extra_format_of``.
+# The pairings as the formats declare them (``KvFormat.extras``), as one table. The models'
+# combinations: DeepSeek-V4, its FP8 or NVFP4 record for either cache (a deployment may keep
+# the compressed cache in the smaller record, or the sliding window); DeepSeek-V4.1, an FP8
+# sliding-window cache with an FP8 or NVFP4 compressed cache, both with the same scale
+# placement (FlashInfer's footer route, or FlashMLA's V4.1 inline records). The extra cache's
+# format: ``cache_view.extra_format_of``.
 EXTRA_FORMATS = {f.name: f.extras for f in FORMATS.values() if f.extras}
-EXTRA_ONLY_FORMATS = tuple(sorted(f.name for f in FORMATS.values() if not f.main))
+
+
+def path_problem(path: str, fmt: KvFormat) -> str | None:
+    """Why the kernel of compute path ``path`` cannot read ``fmt``'s caches, None where it can:
+    e2m1 values (NVFP4) only "f16" (value times scale becomes an exact f16 operand in
+    registers); the FP8 paths take UE8M0 scales one per 64-dim MMA unit (not per 32, V4.1);
+    "mxf8" only UE8M0 scales (the block-scaled MMA takes the scale bytes themselves). A
+    format's ``paths`` are those with none."""
+    if path not in PRECISIONS:
+        return f"precision {path!r} is not one of {PRECISIONS}"
+    if fmt.e2m1 and path != "f16":
+        return "e2m1 values are read by the \"f16\" path only"
+    if path in ("fp8", "mxf8") and fmt.scale_type == "ue8m0" and fmt.scale_group != NOPE_TILE:
+        return f"the FP8 paths apply one UE8M0 scale per {NOPE_TILE}-dim MMA unit, not per {fmt.scale_group} dims"
+    if path == "mxf8" and fmt.scale_type != "ue8m0":
+        return f"the block-scaled MMA takes UE8M0 scale bytes, not {fmt.scale_type} scales"
+    return None
 
 
 def get_format(name: str) -> KvFormat:

@@ -53,7 +53,7 @@ MIN_CHUNKS_PER_SPLIT = 1
 # where that leaves two splits, one split and no merge.  [max_chunks_two_per_sm]
 MAX_CHUNKS_TWO_PER_SM = 3
 
-# ---------------------------------------------------------------- head groups (dispatch.policy.variant_space)
+# ---------------------------------------------------------------- head groups (dispatch.policy.head_groups)
 # "bf16" / FP8 paths: 32-head CTAs from this many 16-head blocks per call with this many
 # entries per token (or whenever the 16-head blocks outnumber the SMs).  [two_groups_min_blocks]
 TWO_GROUPS_MIN_BLOCKS = 32

@@ -1,10 +1,10 @@
 """Which compute path serves a call: the paths each arch has, the paths each format
-declares (``KvFormat.paths``), and the default."""
+reads (``KvFormat.paths``), and the default."""
 
 from __future__ import annotations
 
-from cute_kernels.sparse_mla_decode.config import PATH_ARCHS, PRECISIONS
-from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
+from cute_kernels.sparse_mla_decode.config import PATH_ARCHS
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, PRECISIONS, get_format, path_problem
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
 
@@ -16,12 +16,12 @@ def precisions_for(arch: str) -> tuple[str, ...]:
 
 def check_format_precision(precision: str | None, kv_format: str = DEFAULT_FORMAT) -> None:
     """Raise ValueError, naming the format, for a compute path ``kv_format`` does not have
-    (``KvFormat.paths``: "mxf8" needs UE8M0 scale bytes). None (the default) always passes:
-    ``DEFAULT_PRECISION`` reads every format."""
+    (``KvFormat.paths``), with the reason ``path_problem`` gives. None (the default) always
+    passes: ``DEFAULT_PRECISION`` reads every format."""
     fmt = get_format(kv_format)
-    if precision is not None and precision not in fmt.paths:
-        what = "e2m1 values" if fmt.e2m1 else f"{fmt.scale_type} scales"
-        raise ValueError(f"precision {precision!r} does not read {fmt.name} caches ({what}): "
+    problem = None if precision is None else path_problem(precision, fmt)
+    if problem:
+        raise ValueError(f"precision {precision!r} does not read {fmt.name} caches ({problem}): "
                          f"use one of {fmt.paths} or None (the default, {DEFAULT_PRECISION})")
 
 

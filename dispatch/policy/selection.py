@@ -154,3 +154,10 @@ def _select_one(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int, p
         variants = tuple(dataclasses.replace(v, config=dataclasses.replace(v.config, num_stages=ov.num_stages))
                          if isinstance(v.config, PartialConfig) else v for v in variants)
     return KernelSelection(shape.head_groups, split, two_per_sm, variants)
+
+
+def select_for_call(call, overrides: PlanOverrides | None = None) -> KernelSelection:
+    """``select_kernels`` for a validated call (``dispatch.api.validate_call``): its metadata,
+    arch, SM count, shared memory per SM and compute path."""
+    return select_kernels(call.launch_metadata, call.arch, num_sms=call.num_sms, smem_per_sm=call.smem_per_sm,
+                          precision=call.precision, overrides=overrides)

@@ -21,9 +21,9 @@ from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 
 class DecodeTensors(NamedTuple):
     """A decode call's tensors (None: an optional input not given; ``out`` / ``lse`` None:
-    to be allocated). A tuple subclass: its fields are read by index on the hot paths, and
-    ``sparse_mla_decode`` builds it from a tuple (``tuple.__new__``), a third of the cost of a
-    keyword call."""
+    to be allocated). A tuple subclass: its fields are read by index on the hot paths, where
+    it is built from a tuple in field order (``DecodeTensors._make``), a third of the cost of
+    a keyword call."""
 
     q: torch.Tensor
     kv_cache: torch.Tensor

@@ -28,7 +28,7 @@ from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS,
 from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 from cute_kernels.sparse_mla_decode.kv_format import D_V
 
-from ..policy.selection import PlanOverrides, select_kernels
+from ..policy.selection import PlanOverrides, select_for_call
 from ..policy.variant_space import variant_space
 from . import loader
 from .decode_inputs import (
@@ -81,8 +81,7 @@ class DecodePlan:
     def __init__(self, call, overrides: PlanOverrides | None = None):
         """``call`` is a validated call (``dispatch.api.validate_call``); ``overrides`` forces
         choices the dispatch would make (``PlanOverrides``)."""
-        selection = select_kernels(call.launch_metadata, call.arch, num_sms=call.num_sms, smem_per_sm=call.smem_per_sm,
-                                   precision=call.precision, overrides=overrides)
+        selection = select_for_call(call, overrides)
         self.device_index = call.device_index
         self.device = call.tensors.q.device
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
@@ -128,6 +127,7 @@ class DecodePlan:
         # the planned layout's byte spans (``overlapping_output``: checked on every launch)
         self._spans = tuple(0 if t is None else byte_span(t) for t in tensors)
         self._present = tuple(i for i, span in enumerate(self._spans) if span)
+        self._no_overlap = None  # the last addresses found free of overlap (``_overlap``)
         self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
         example = [0 if t is None else t.data_ptr() for t in tensors] + [call.sm_scale * LOG2_E, 0, 0]
         self._kernels = self._make_kernels(example)
@@ -246,7 +246,7 @@ class DecodePlan:
                 raise ValueError(f"DecodePlan.{caller}: {name} starts at address {address:#x}, not {align}-byte "
                                  f"aligned as the kernels assume (the planned tensor was)")
             values.append(address)
-        overlap = overlapping_output(values, self._spans, self._present)
+        overlap = self._overlap(values)
         if overlap is not None:
             raise ValueError(f"DecodePlan.{caller}: {overlap_problem(overlap)}")
         scale = scale_log2(sm_scale, self.default_sm_scale)
@@ -291,11 +291,11 @@ class DecodePlan:
 
     def launch_laid_out(self, given: tuple, sm_scale, scratch) -> bool:
         """Launch on tensors (a ``DecodeTensors``, or a plain tuple in its field order; None
-        where absent) whose layout is known to be the planned one:
-        the one-shot call's plan cache compared it (``plan_cache``). Checks only what the layout does not fix, each address's
-        alignment and the scale (a finite float or None), and returns False without
-        launching where one fails (the caller then validates the call in full, which says
-        why); so does an output that overlaps another tensor (``overlapping_output``)."""
+        where absent) whose layout is known to be the planned one: the one-shot call's plan
+        cache compared it (``plan_cache``). Checks only what the layout does not fix, each
+        address's alignment, whether an output overlaps another tensor (``_overlap``) and the
+        scale (``scale_log2``), and returns False without launching where one fails (the caller
+        then validates the call in full, which says why)."""
         values = []
         for t, align in zip(given, self._aligns):
             if t is None:
@@ -305,7 +305,7 @@ class DecodePlan:
             if address % align:
                 return False
             values.append(address)
-        if overlapping_output(values, self._spans, self._present) is not None:
+        if self._overlap(values) is not None:
             return False
         scale = scale_log2(sm_scale, self.default_sm_scale)
         if scale is None:
@@ -314,6 +314,17 @@ class DecodePlan:
         values.append(0 if scratch is None else _aligned(scratch.data_ptr()))
         self._bind_and_launch(values)
         return True
+
+    def _overlap(self, addresses: list) -> tuple[str, str] | None:
+        """``overlapping_output`` of these input addresses (a value per ``DecodeTensors``
+        field), remembering the last ones found free of overlap: a serving loop passes the same
+        buffers call after call, so the pairwise check runs once per new set of addresses."""
+        if addresses == self._no_overlap:
+            return None
+        overlap = overlapping_output(addresses, self._spans, self._present)
+        if overlap is None:
+            self._no_overlap = addresses[:]  # a copy: the caller appends the scale and scratch
+        return overlap
 
     def _bind_and_launch(self, values: list) -> None:
         """``values`` as ``_checked_values`` returns them; the stream is the current one."""

@@ -4,10 +4,11 @@ a call's layout once and reuses the plan for every later call laid out the same 
 A call's *layout key* is what ``validate_call`` reads of its inputs: for each tensor its
 shape, strides, dtype and device (None for an absent input), plus the cache format
 and precision asked for. Every check ``validate_call`` makes is a function of that key and
-of the tensors' addresses (their alignment), so a call whose key matches a validated one
-needs only the alignment check ``DecodePlan.launch_laid_out`` makes while writing the
-addresses: a repeated call pays the key, one dictionary lookup and the launches. The key is
-compared exactly (tuples of ints and dtypes), so a plan is never used for another layout.
+of the tensors' addresses (their alignment, and whether an output overlaps another tensor), so
+a call whose key matches a validated one needs only the address checks
+``DecodePlan.launch_laid_out`` makes while writing the addresses: a repeated call pays the
+key, one dictionary lookup and the launches. The key is compared exactly (tuples of ints and
+dtypes), so a plan is never used for another layout.
 
 The cache is bounded (the oldest layout out first) and thread-safe; ``clear()`` drops
 every plan and every buffer it keeps.
@@ -16,7 +17,7 @@ Split plans need scratch for the partial results, and a call that returns no lse
 without ``return_lse``) still has the kernels write one. Outside a CUDA graph capture the
 one-shot path keeps one buffer of each kind per (device, stream), grown to the largest need
 seen: the scratch, and the lse of the calls that want none (a view of it, whatever the
-layout; each layout keeps its view while the buffer is kept). Work on one stream runs in
+layout; the buffer keeps each layout's view, and they go with it). Work on one stream runs in
 order, so consecutive calls can share them, and a buffer freed (grown, or by ``clear()``)
 is freed on the only stream that used it, so the caching allocator orders its reuse. The
 buffers kept never exceed a byte cap together: a call that would need more is served by
@@ -78,13 +79,12 @@ class CachedPlan:
     """A plan with what the one-shot call needs beyond it: how to allocate the outputs that
     were not given (their planned shapes, on the planned device)."""
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "lse_numel", "lse_view")
+    __slots__ = ("plan", "out_shape", "lse_shape", "lse_numel")
 
     def __init__(self, plan: DecodePlan, out: torch.Tensor, lse: torch.Tensor):
         self.plan = plan
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
         self.lse_numel = math.prod(self.lse_shape)
-        self.lse_view = None  # a view of the kept lse buffer (``PlanCache.discarded_lse``)
 
     def new_out(self) -> torch.Tensor:
         return torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.plan.device)
@@ -103,7 +103,8 @@ class PlanCache:
         self.capacity = _env_cap(ENTRIES_ENV, DEFAULT_ENTRIES, 1) if capacity is None else capacity
         self.byte_cap = _env_cap(BYTES_ENV, DEFAULT_BYTES, 0) if byte_cap is None else byte_cap
         self._plans: dict = {}  # insertion ordered: the first key is the oldest
-        self._buffers: dict = {}  # (kind, device index, raw stream) -> (tensor, its bytes)
+        # (kind, device index, raw stream) -> (tensor, its bytes, its views by shape)
+        self._buffers: dict = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -129,54 +130,49 @@ class PlanCache:
         """What the cache holds: its layouts and their cap, and its buffers' bytes by kind
         (``scratch``, ``lse``) and in all, against the byte cap."""
         with self._lock:
-            buffers = [(kind, n) for (kind, _, _), (_, n) in self._buffers.items()]
+            buffers = [(kind, n) for (kind, _, _), (_, n, _) in self._buffers.items()]
             return {"entries": len(self._plans), "capacity": self.capacity,
                     "buffer_bytes": sum(n for _, n in buffers), "byte_cap": self.byte_cap,
                     "scratch_bytes": sum(n for kind, n in buffers if kind == "scratch"),
                     "lse_bytes": sum(n for kind, n in buffers if kind == "lse"), "buffers": len(buffers)}
 
-    def _buffer(self, kind: str, device_index: int, nbytes: int, allocate):
-        """The (device, stream)'s buffer of ``kind`` with at least ``nbytes`` (``allocate()``
-        makes one): the kept one, grown where the byte cap allows, else one of the call's own."""
+    def _buffer(self, kind: str, device_index: int, nbytes: int, allocate) -> tuple:
+        """(the (device, stream)'s buffer of ``kind`` with at least ``nbytes``, its views by
+        shape) (``allocate()`` makes one): the kept one, grown where the byte cap allows (its
+        views go with the buffer replaced); else one of the call's own, with views None."""
         if _capturing():
-            return allocate()
+            return allocate(), None
         slot = (kind, device_index, raw_stream(device_index))
         kept = self._buffers.get(slot)
         if kept is not None and kept[1] >= nbytes:
-            return kept[0]
+            return kept[0], kept[2]
         with self._lock:
             kept = self._buffers.get(slot)
             if kept is not None and kept[1] >= nbytes:
-                return kept[0]
-            others = sum(n for s, (_, n) in self._buffers.items() if s != slot)
+                return kept[0], kept[2]
+            others = sum(n for s, (_, n, _) in self._buffers.items() if s != slot)
             if others + nbytes > self.byte_cap:
-                return allocate()  # the call's own, freed after its launch; the cache keeps what it had
+                return allocate(), None  # the call's own, freed after its launch; the cache keeps what it had
             buffer = allocate()
-            self._buffers[slot] = (buffer, buffer.numel() * buffer.element_size())
-            if kind == "lse" and kept is not None:  # the views of the buffer replaced would keep it alive
-                for entry in self._plans.values():
-                    entry.lse_view = None
-            return buffer
+            self._buffers[slot] = kept = (buffer, buffer.numel() * buffer.element_size(), {})
+            return kept[0], kept[2]
 
     def scratch(self, plan: DecodePlan) -> torch.Tensor | None:
         """Scratch for one launch of ``plan`` on the current stream (None when it needs none);
         see the module doc. Hold it until the launch is enqueued."""
         if not plan.scratch_bytes:
             return None
-        return self._buffer("scratch", plan.device_index, plan.scratch_bytes, plan.new_scratch)
+        return self._buffer("scratch", plan.device_index, plan.scratch_bytes, plan.new_scratch)[0]
 
     def discarded_lse(self, entry: CachedPlan) -> torch.Tensor:
         """Where the kernels write the lse of a call that returns none (an adapter without
         ``return_lse``): a view of the current stream's lse buffer with the planned layout."""
         plan = entry.plan
-        buffer = self._buffer("lse", plan.device_index, 4 * entry.lse_numel,
-                              lambda: torch.empty(entry.lse_numel, dtype=torch.float32, device=plan.device))
-        view = entry.lse_view
-        if view is not None and view._base is buffer:
-            return view  # a repeated call on the same stream: no new view (a few microseconds of host time)
-        view = buffer[:entry.lse_numel].view(entry.lse_shape)
-        # kept only as a view of a kept buffer: a call's own (over the byte cap, or in a capture)
-        # is freed after its launch
-        kept = any(buffer is b for b, _ in self._buffers.values())
-        entry.lse_view = view if kept else None
+        buffer, views = self._buffer("lse", plan.device_index, 4 * entry.lse_numel,
+                                     lambda: torch.empty(entry.lse_numel, dtype=torch.float32, device=plan.device))
+        if views is None:  # the call's own buffer (over the byte cap, or in a capture): freed after its launch
+            return buffer[:entry.lse_numel].view(entry.lse_shape)
+        view = views.get(entry.lse_shape)  # a repeated call: no new view (a few microseconds of host time)
+        if view is None:
+            view = views[entry.lse_shape] = buffer[:entry.lse_numel].view(entry.lse_shape)
         return view

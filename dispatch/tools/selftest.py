@@ -50,13 +50,12 @@ import dataclasses
 import sys
 import time
 
-from cute_kernels.sparse_mla_decode.config import PRECISIONS
-from cute_kernels.sparse_mla_decode.kv_format import FORMATS
+from cute_kernels.sparse_mla_decode.kv_format import FORMATS, PRECISIONS
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
 from ..policy.registry import MODELS, DeploymentShape
 from .selftest_report import PROG
-from .selftest_shapes import Deployment, SelfTestShape, UsageError, default_heads, select_deployment, valid_tps
+from .selftest_shapes import Deployment, SelfTestShape, UsageError, default_heads, select_deployment
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_UNSUPPORTED_GPU = 0, 1, 2, 3, 4
 TOKENS = (1, 8, 64)  # tokens per call: one request's step, a few (drafts, small batches), a batch
@@ -79,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help=f"the model deployed (any case): {', '.join(MODELS)} (default: every model at "
                                     f"{default_heads()} query heads per GPU)")
-    tps = "; ".join(f"{key} {','.join(map(str, valid_tps(key)))}" for key in MODELS)
+    tps = "; ".join(f"{key} {','.join(map(str, model.tps))}" for key, model in MODELS.items())
     ap.add_argument("--tp", type=int, help=f"its tensor parallelism: query heads per GPU = the model's query heads / "
                                            f"tp ({tps}; default: every one)")
     ap.add_argument("--format", dest="kv_format", choices=list(FORMATS), metavar="KV_FORMAT",
@@ -106,15 +105,16 @@ def find_gpu() -> tuple[dict | None, int | None, str | None]:
     CUDA GPU is visible or the visible one is not one these kernels run on."""
     import torch
 
-    from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
+    from cute_kernels.arch import SUPPORTED_ARCHS
 
     if not torch.cuda.is_available():
         return None, EXIT_NO_GPU, (f"{PROG}: no CUDA GPU is visible (torch.cuda.is_available() is False): run it on "
                                    f"the machine with the GPU (exit status {EXIT_NO_GPU})")
+    from ..api import device_target
+
     capability = torch.cuda.get_device_capability()
-    gpu = {"name": torch.cuda.get_device_name(), "capability": list(capability),
-           "arch": arch_for_capability(capability),
-           "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count}
+    arch, sms, _ = device_target(torch.cuda.current_device())
+    gpu = {"name": torch.cuda.get_device_name(), "capability": list(capability), "arch": arch, "sms": sms}
     if gpu["arch"] is None:
         cc = ".".join(map(str, capability))
         return None, EXIT_UNSUPPORTED_GPU, (f"{PROG}: {gpu['name']} (compute capability {cc}) is not a GPU these "
@@ -186,15 +186,15 @@ def planned_variants(case: Case, precision: str, _target=None) -> tuple:
     none where the call is refused: running it reports why). ``_target``: ``validate_call``'s
     testing aid, (arch, SMs, shared memory per SM) to plan CPU tensors for."""
     from ..api import validate_call
-    from ..policy.selection import select_kernels
+    from ..policy.call_metadata import InvalidDecodeInput
+    from ..policy.selection import select_for_call
 
     try:
         call = validate_call(case.q, case.cache, case.indices, precision=precision, for_plan=True, _target=_target,
                              **case.kw)
-    except Exception:
+    except InvalidDecodeInput:
         return ()
-    return select_kernels(call.launch_metadata, call.arch, num_sms=call.num_sms, smem_per_sm=call.smem_per_sm,
-                          precision=call.precision).variants
+    return select_for_call(call).variants
 
 
 def expected_source(variant) -> str:

@@ -38,32 +38,20 @@ def resolve_model(name: str) -> str:
     return key
 
 
-def registry_heads(model_key: str) -> tuple[int, ...]:
-    """The query heads per GPU the registry serves ``model_key`` at, most first."""
-    name = MODELS[model_key].name
-    return tuple(sorted({s.num_heads for s in DEPLOYMENT_SHAPES if s.model == name}, reverse=True))
-
-
-def valid_tps(model_key: str) -> tuple[int, ...]:
-    """The tensor-parallel degrees whose heads per GPU the registry serves ``model_key`` at."""
-    return tuple(MODELS[model_key].heads // h for h in registry_heads(model_key))
-
-
 def heads_for(model_key: str, tp: int) -> int:
-    """Query heads per GPU of ``model_key`` at tensor parallelism ``tp``: its query heads / tp,
-    which must be a head count the registry serves it at."""
-    model, served = MODELS[model_key], registry_heads(model_key)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or model.heads % tp or model.heads // tp not in served:
-        tps = ", ".join(map(str, valid_tps(model_key)))
+    """Query heads per GPU of ``model_key`` at tensor parallelism ``tp``: one of the degrees it
+    is deployed at (``registry.Model.tps``)."""
+    model = MODELS[model_key]
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp not in model.tps:
         raise UsageError(f"--tp {tp}: {model_key} has {model.heads} query heads, served at "
-                         f"{', '.join(map(str, served))} per GPU: --tp one of {tps}")
+                         f"{', '.join(map(str, model.heads_per_gpu()))} per GPU: --tp one of "
+                         f"{', '.join(map(str, model.tps))}")
     return model.heads // tp
 
 
 def default_heads() -> int:
     """The query heads per GPU every model of the registry is deployed with (the most, if several)."""
-    common = set.intersection(*(set(registry_heads(key)) for key in MODELS))
-    return max(common)
+    return max(set.intersection(*(set(m.heads_per_gpu()) for m in MODELS.values())))
 
 
 def reads(shape: DeploymentShape, kv_format: str) -> bool:
