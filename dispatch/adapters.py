@@ -301,7 +301,7 @@ def _check_kv_layout(query, kv_layout, kv_format, **caches) -> None:
                     kv_format)
 
 
-def _valid_heads(query, out, sinks, num_valid_heads, kv_format=_DSV4_FORMAT):
+def _valid_heads(query, out, sinks, num_valid_heads, kv_format):
     """The first ``num_valid_heads`` heads of ``query``, ``out`` and ``sinks`` (views; ``out``
     is required)."""
     if isinstance(num_valid_heads, bool) or not isinstance(num_valid_heads, int) or not (
@@ -526,7 +526,7 @@ def trtllm_batch_decode_with_kv_cache_mla(
                             or tuple(lse.shape) not in ((batch * seq_q, num_heads), (batch, seq_q, num_heads))):
         refuse(f"lse must be float32 [{batch * seq_q}, {num_heads}] or [{batch}, {seq_q}, {num_heads}], got "
                f"{getattr(lse, 'dtype', type(lse).__name__)} {list(getattr(lse, 'shape', []))}")
-    result, natural = sparse_mla_decode(query, cache, block_tables, sm_scale=float(bmm1_scale), topk_length=lengths,
+    result, natural = sparse_mla_decode(query, cache, block_tables, sm_scale=bmm1_scale, topk_length=lengths,
                                         attn_sink=sinks, out=out, kv_format=fmt.name)
     if not return_lse:
         return result

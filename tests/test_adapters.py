@@ -64,6 +64,8 @@ def test_flashinfer_mla_adapter_serves_the_vllm_v32_and_glm_calls():
     (dict(uses_shared_paged_kv_idx=False), "separate K/V page indices"),
     (dict(bmm2_scale=2.0), "bmm2_scale must be 1.0"),
     (dict(bmm1_scale=torch.tensor(0.1)), "must be Python floats"),
+    (dict(bmm1_scale="0.1"), "sm_scale must be a real Python number"),  # not converted: the API's rule refuses it
+    (dict(bmm1_scale=True), "sm_scale must be a real Python number"),
     (dict(block_tables=torch.zeros(3, 1, 32, dtype=torch.int32)), "expected [3, 1, 64]"),
     (dict(sinks=[torch.zeros(16), torch.zeros(16)]), "got a list of 2"),
     (dict(lse=torch.empty(3, 16)), "lse was given without return_lse=True"),
