@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import subprocess
@@ -318,6 +319,48 @@ def test_the_docs_summaries_match_the_results_table():
             for shape, cell in zip(("128", "1024", "128+512"), cells.group(3).split("|")):
                 r = by_shape[(T, H, shape)]
                 assert cell.strip() == f"{r['us']} ({r['x_flashmla']:.2f}x)", (T, H, shape, cell)
+
+
+def _markdown_rows(section: str) -> list[list[str]]:
+    """The cells of the rows of the markdown tables in ``section`` that start with a number."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if re.match(r"\| \d", line)]
+
+
+def _rounding(ratio: float, *times: str) -> float:
+    """How far a ratio of times printed to one decimal can be from the ratio of the printed
+    times: each time up to 0.05 off, the ratio printed to two decimals."""
+    return ratio * sum(0.05 / float(t) for t in times) + 0.005
+
+
+def test_the_side_by_side_table_is_consistent():
+    text = (ROOT / "docs" / "performance.md").read_text()
+    section = text.split("### Side by side with FlashMLA, in one process")[1].split("### ")[0]
+    rows = _markdown_rows(section)
+    assert len(rows) == 60  # the 48 bench shapes and 12 prefill-sized ones
+    ratios = {"graph": [], "flush": []}
+    for T, H, shape, g_this, g_fm, g_ratio, f_this, f_fm, f_ratio in rows:
+        for method, this, fm, ratio in (("graph", g_this, g_fm, g_ratio), ("flush", f_this, f_fm, f_ratio)):
+            assert abs(float(fm) / float(this) - float(ratio)) <= _rounding(float(ratio), this, fm), (T, H, shape,
+                                                                                                  method)
+            if int(T) <= 256:
+                ratios[method].append(float(ratio))
+    for method, stated in (("graph", 1.289), ("flush", 1.257)):
+        assert len(ratios[method]) == 48
+        assert abs(math.exp(sum(map(math.log, ratios[method])) / 48) - stated) < 0.005, method
+        assert f"{stated} ({method})" in section
+
+
+def test_the_loop_ceilings_table_is_consistent():
+    bench = _bench_flashmla_us()
+    text = (ROOT / "docs" / "performance.md").read_text()
+    rows = _markdown_rows(text.split("`python -m scripts.loop_ceilings` times")[1].split("The softmax takes")[0])
+    assert len(rows) == 16
+    for T, H, shape, shipped, no_softmax, neither, fm, ratio in rows:
+        assert float(fm) == bench[(int(T), int(H), shape)]
+        assert abs(float(fm) / float(no_softmax) - float(ratio)) <= _rounding(float(ratio), no_softmax, fm), (T, H,
+                                                                                                       shape)
+        assert float(no_softmax) < float(shipped), (T, H, shape)
 
 
 def test_every_tuning_anchor_has_its_entry():
