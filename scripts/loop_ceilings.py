@@ -1,7 +1,7 @@
 """What bounds the "f16" kernel on the many-head shapes: those shapes timed with parts of its
 main loop taken out (GPU; ``docs/performance.md``, "Where the time goes").
 
-    python -m scripts.loop_ceilings [--tokens 64,256] [--heads 64,128] [--json out.json]
+    python -m scripts.loop_ceilings [--tokens 64,256] [--heads 64,128] [--one-cta-per-sm] [--json out.json]
 
 Each mode runs in its own process, which takes a part out of the MODEL1 FP8 "f16" kernel
 before anything is compiled (``MODES``) and compiles the kernels into its own JIT cache
@@ -12,11 +12,16 @@ loader's fingerprint does not see a part taken out):
   partial S and wait where the softmax waits, but no score, maximum or P is computed (PV
   multiplies whatever the P rows hold);
 - ``no_softmax_no_conversion``: also every e4m3 -> f16 conversion (and the value bytes'
-  pairing permute) taken out: the raw bytes go to the MMAs as f16 bits.
+  pairing permute) taken out: the raw bytes go to the MMAs as f16 bits;
+- ``no_softmax_no_barriers``: the softmax and every CTA barrier taken out (the softmax's
+  and ``cute.arch.sync_threads``): the warps run free, each on whatever its shared memory
+  holds.
 The outputs of the reduced kernels are meaningless (NaN or garbage); only their times are.
 A reduced kernel is the shipped one minus that work, with the same gather, barriers, S
 exchange, MMAs and dispatch (splits, head groups, register bound), so its time is what the
 rest of the loop costs: how fast the kernel could be if that part were free.
+``--one-cta-per-sm`` plans every call without the 128-register bound (``PlanOverrides``),
+one CTA per SM: the occupancy an SM120 GPU gives these kernels.
 
 Shapes: ``scripts.bench``'s grid rows with the given T and H (default: the many-head rows,
 T 64 / 256 x H 64 / 128), its inputs and its timing (``dispatch.tools.timing``: the planned
@@ -34,13 +39,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODES = ("shipped", "no_softmax", "no_softmax_no_conversion")
+MODES = ("shipped", "no_softmax", "no_softmax_no_conversion", "no_softmax_no_barriers")
 
 
 def take_out(mode: str) -> None:
     """Take ``mode``'s part out of the "f16" kernel's main loop (module attributes the kernel
     reads when it is traced: call before any kernel is compiled in this process)."""
     import cutlass.cute as cute
+    from cutlass import Int32
 
     from cute_kernels.sparse_mla_decode import partial_f16, softmax
 
@@ -55,9 +61,19 @@ def take_out(mode: str) -> None:
             return [word, word]
 
         partial_f16.e4m3x4_to_f16x2 = raw_bits
+    if mode == "no_softmax_no_barriers":
+        @cute.jit
+        def step_nothing(self, sm, bases, valid_rows, tidx, step, stage_base):
+            return Int32(0)  # no head's maximum moved: no rescale either
+
+        def no_barrier(*args, **kwargs):
+            return None
+
+        softmax.SpreadSoftmax.step = step_nothing
+        cute.arch.sync_threads = no_barrier
 
 
-def _time_mode(mode: str, grid: list, out_json: str) -> None:
+def _time_mode(mode: str, grid: list, out_json: str, one_cta_per_sm: bool) -> None:
     """In this process: ``mode``'s kernels, each grid shape's time into ``out_json``."""
     import torch
 
@@ -71,12 +87,13 @@ def _time_mode(mode: str, grid: list, out_json: str) -> None:
         loader.aot_dirs = lambda: []  # never a shipped kernel for a reduced one
     gen = torch.Generator(device="cuda").manual_seed(0)
     caches = Caches(torch.Generator().manual_seed(0))
+    overrides = PlanOverrides(two_ctas_per_sm=False) if one_cta_per_sm else PlanOverrides()
     times = {}
     for T, H, shape in grid:
         q, idx, e_idx, _ = inputs(T, H, shape, gen)
         cache, kw = call_inputs(shape, caches, "model1_fp8", e_idx)
         times[f"{T}x{H}x{shape}"] = graph_time_us(plan_runner(q, cache, idx, kw=kw, precision="f16",
-                                                              overrides=PlanOverrides(), kv_format="model1_fp8"))
+                                                              overrides=overrides, kv_format="model1_fp8"))
         print(f"{mode}: T={T} H={H} topk={shape}: {times[f'{T}x{H}x{shape}']:.1f} us", file=sys.stderr, flush=True)
     Path(out_json).write_text(json.dumps(times))
 
@@ -85,6 +102,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="64,256", help="comma-separated T values of the bench grid (default: %(default)s)")
     ap.add_argument("--heads", default="64,128", help="comma-separated H values of the bench grid (default: %(default)s)")
+    ap.add_argument("--one-cta-per-sm", action="store_true",
+                    help="no 128-register bound: one CTA per SM, as on SM120 (default: the dispatch's choice)")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # a child process: time this mode only
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -97,7 +116,7 @@ def main(argv=None) -> int:
     if not grid:
         ap.error(f"no row of scripts.bench's grid has T in {sorted(tokens)} and H in {sorted(heads)}")
     if args.mode:
-        _time_mode(args.mode, grid, args.out)
+        _time_mode(args.mode, grid, args.out, args.one_cta_per_sm)
         return 0
 
     from dispatch.runtime.loader import jit_cache_dir
@@ -110,24 +129,29 @@ def main(argv=None) -> int:
                 env["DSV4_MLA_CACHE_DIR"] = str(jit_cache_dir() / "loop_ceilings" / mode)
             out = Path(tmp) / f"{mode}.json"
             subprocess.run([sys.executable, "-m", "scripts.loop_ceilings", "--mode", mode, "--out", str(out),
-                            "--tokens", args.tokens, "--heads", args.heads], env=env, check=True)
+                            "--tokens", args.tokens, "--heads", args.heads]
+                           + (["--one-cta-per-sm"] if args.one_cta_per_sm else []), env=env, check=True)
             results[mode] = json.loads(out.read_text())
 
     rows = []
-    print(f"{'T':>4} {'H':>4} {'topk':>8} {'shipped':>8} {'no sm':>8} {'no sm,cvt':>9} {'FlashMLA':>8} "
-          f"{'FM/shipped':>10} {'FM/no sm':>8} {'FM/no sm,cvt':>12}")
+    print(("one CTA per SM" if args.one_cta_per_sm else "the dispatch's CTAs per SM")
+          + "; us per call (no sm: no softmax; cvt: conversions; bar: barriers)")
+    print(f"{'T':>4} {'H':>4} {'topk':>8} {'shipped':>8} {'no sm':>8} {'no sm,cvt':>9} {'no sm,bar':>9} "
+          f"{'FlashMLA':>8} {'FM/shipped':>10} {'FM/no sm':>8} {'FM/no sm,cvt':>12} {'FM/no sm,bar':>12}")
     for T, H, shape in grid:
         key = f"{T}x{H}x{shape}"
         us = {mode: results[mode][key] for mode in MODES}
         fm = FLASHMLA_US.get((T, H, shape))
         rows.append(dict(T=T, H=H, topk=shape, us=us, flashmla_us=fm))
-        ratios = [f"{fm / us[m]:>{w}.2f}" for m, w in zip(MODES, (10, 8, 12))]
+        ratios = [f"{fm / us[m]:>{w}.2f}" for m, w in zip(MODES, (10, 8, 12, 12))]
         print(f"{T:>4} {H:>4} {shape:>8} {us['shipped']:>8.1f} {us['no_softmax']:>8.1f} "
-              f"{us['no_softmax_no_conversion']:>9.1f} {fm:>8.1f} " + " ".join(ratios))
+              f"{us['no_softmax_no_conversion']:>9.1f} {us['no_softmax_no_barriers']:>9.1f} {fm:>8.1f} "
+              + " ".join(ratios))
     if args.json:
         import torch
 
-        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
+                                                   one_cta_per_sm=args.one_cta_per_sm, rows=rows), indent=1))
     return 0
 
 

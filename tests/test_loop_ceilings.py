@@ -16,6 +16,7 @@ def test_the_replaced_attributes_are_what_the_kernel_calls():
     assert list(inspect.signature(partial_f16.e4m3x4_to_f16x2).parameters) == ["x", "selector"]
     source = inspect.getsource(partial_f16)
     assert "self.softmax.step(" in source and "e4m3x4_to_f16x2(" in source
+    assert "cute.arch.sync_threads()" in source  # read through the module attribute, not a copy
 
 
 def test_take_out_replaces_them():
@@ -27,4 +28,11 @@ def test_take_out_replaces_them():
             "assert softmax.SpreadSoftmax.step is not before[0]; "
             "assert partial_f16.e4m3x4_to_f16x2 is not before[1]; "
             "assert partial_f16.e4m3x4_to_f16x2(7) == [7, 7]")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    code = ("from scripts.loop_ceilings import take_out; import cutlass.cute as cute; "
+            "from cute_kernels.sparse_mla_decode import softmax; "
+            "before = (softmax.SpreadSoftmax.step, cute.arch.sync_threads); "
+            "take_out('no_softmax_no_barriers'); "
+            "assert softmax.SpreadSoftmax.step is not before[0] and cute.arch.sync_threads is not before[1]; "
+            "assert cute.arch.sync_threads() is None")
     subprocess.run([sys.executable, "-c", code], check=True)

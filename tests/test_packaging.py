@@ -354,13 +354,11 @@ def test_the_side_by_side_table_is_consistent():
 def test_the_loop_ceilings_table_is_consistent():
     bench = _bench_flashmla_us()
     text = (ROOT / "docs" / "performance.md").read_text()
-    rows = _markdown_rows(text.split("`python -m scripts.loop_ceilings` times")[1].split("The softmax takes")[0])
+    rows = _markdown_rows(text.split("`python -m scripts.loop_ceilings` times")[1].split("At the dispatch's")[0])
     assert len(rows) == 16
-    for T, H, shape, shipped, no_softmax, neither, fm, ratio in rows:
+    for T, H, shape, shipped, no_softmax, _, shipped_one, no_softmax_one, _, fm in rows:
         assert float(fm) == bench[(int(T), int(H), shape)]
-        assert abs(float(fm) / float(no_softmax) - float(ratio)) <= _rounding(float(ratio), no_softmax, fm), (T, H,
-                                                                                                       shape)
-        assert float(no_softmax) < float(shipped), (T, H, shape)
+        assert float(no_softmax) < float(shipped) and float(no_softmax_one) < float(shipped_one), (T, H, shape)
 
 
 def test_every_tuning_anchor_has_its_entry():
