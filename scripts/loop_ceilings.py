@@ -4,18 +4,20 @@ main loop taken out (GPU; ``docs/performance.md``, "Where the time goes").
     python -m scripts.loop_ceilings [--tokens 64,256] [--heads 64,128] [--one-cta-per-sm] [--json out.json]
 
 Each mode runs in its own process, which takes a part out of the MODEL1 FP8 "f16" kernel
-before anything is compiled (``MODES``) and compiles the kernels into its own JIT cache
-directory (``$DSV4_MLA_CACHE_DIR/loop_ceilings/<mode>``; no AOT directory is searched: the
-loader's fingerprint does not see a part taken out):
+before anything is compiled (``MODES``) and compiles the kernels afresh into a JIT cache
+directory of this run's own (no AOT directory and no earlier cache is searched: the loader's
+fingerprint does not see a part taken out):
 - ``shipped``: the kernels as built (and as the loader finds them);
 - ``no_softmax``: ``SpreadSoftmax.step`` reduced to its barriers: the warps still write their
   partial S and wait where the softmax waits, but no score, maximum or P is computed (PV
   multiplies whatever the P rows hold);
 - ``no_softmax_no_conversion``: also every e4m3 -> f16 conversion (and the value bytes'
   pairing permute) taken out: the raw bytes go to the MMAs as f16 bits;
-- ``no_softmax_no_barriers``: the softmax and every CTA barrier taken out (the softmax's
-  and ``cute.arch.sync_threads``): the warps run free, each on whatever its shared memory
-  holds.
+- ``no_softmax_no_barriers``: the softmax and every CTA barrier of the call's kernels taken
+  out (the softmax's and every ``cute.arch.sync_threads``: the partial kernel's, its
+  gather's, and the merge kernel's where a call splits): the warps run free, each on whatever
+  its shared memory holds (a gather reading indices before they land may load fewer rows: an
+  upper bound).
 The outputs of the reduced kernels are meaningless (NaN or garbage); only their times are.
 A reduced kernel is the shipped one minus that work, with the same gather, barriers, S
 exchange, MMAs and dispatch (splits, head groups, register bound), so its time is what the
@@ -73,18 +75,37 @@ def take_out(mode: str) -> None:
         cute.arch.sync_threads = no_barrier
 
 
+def reduce_kernels(mode: str) -> None:
+    """This process's kernels for ``mode``: ``take_out`` and a loader that only compiles (no AOT
+    directory; ``child_env`` gives it an empty JIT cache), even where the environment asks for
+    AOT kernels only. Nothing for "shipped"."""
+    if mode == "shipped":
+        return
+    from dispatch.runtime import loader
+
+    take_out(mode)
+    loader.aot_dirs = lambda: []
+    loader.set_require_aot(False)
+
+
+def child_env(mode: str, cache_root: str) -> dict:
+    """The environment of ``mode``'s process: a reduced mode's JIT cache in ``cache_root``
+    (empty: made for this run), the shipped kernels where the loader finds them."""
+    env = dict(os.environ)
+    if mode != "shipped":
+        env["DSV4_MLA_CACHE_DIR"] = str(Path(cache_root) / mode)
+    return env
+
+
 def _time_mode(mode: str, grid: list, out_json: str, one_cta_per_sm: bool) -> None:
     """In this process: ``mode``'s kernels, each grid shape's time into ``out_json``."""
     import torch
 
     from dispatch import PlanOverrides
-    from dispatch.runtime import loader
     from dispatch.tools.timing import graph_time_us, plan_runner
     from scripts.bench import Caches, call_inputs, inputs
 
-    if mode != "shipped":
-        take_out(mode)
-        loader.aot_dirs = lambda: []  # never a shipped kernel for a reduced one
+    reduce_kernels(mode)
     gen = torch.Generator(device="cuda").manual_seed(0)
     caches = Caches(torch.Generator().manual_seed(0))
     overrides = PlanOverrides(two_ctas_per_sm=False) if one_cta_per_sm else PlanOverrides()
@@ -110,8 +131,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from scripts.bench import FLASHMLA_US, GRID
 
-    tokens = {int(t) for t in args.tokens.split(",")}
-    heads = {int(h) for h in args.heads.split(",")}
+    try:
+        tokens = {int(t) for t in args.tokens.split(",")}
+        heads = {int(h) for h in args.heads.split(",")}
+    except ValueError:
+        ap.error(f"--tokens and --heads take comma-separated integers, got {args.tokens!r} and {args.heads!r}")
     grid = [(T, H, s) for T, H, s in GRID if T in tokens and H in heads]
     if not grid:
         ap.error(f"no row of scripts.bench's grid has T in {sorted(tokens)} and H in {sorted(heads)}")
@@ -119,18 +143,14 @@ def main(argv=None) -> int:
         _time_mode(args.mode, grid, args.out, args.one_cta_per_sm)
         return 0
 
-    from dispatch.runtime.loader import jit_cache_dir
-
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
-            env = dict(os.environ)
-            if mode != "shipped":
-                env["DSV4_MLA_CACHE_DIR"] = str(jit_cache_dir() / "loop_ceilings" / mode)
             out = Path(tmp) / f"{mode}.json"
             subprocess.run([sys.executable, "-m", "scripts.loop_ceilings", "--mode", mode, "--out", str(out),
                             "--tokens", args.tokens, "--heads", args.heads]
-                           + (["--one-cta-per-sm"] if args.one_cta_per_sm else []), env=env, check=True)
+                           + (["--one-cta-per-sm"] if args.one_cta_per_sm else []),
+                           env=child_env(mode, str(Path(tmp) / "jit")), check=True)
             results[mode] = json.loads(out.read_text())
 
     rows = []
@@ -141,7 +161,7 @@ def main(argv=None) -> int:
     for T, H, shape in grid:
         key = f"{T}x{H}x{shape}"
         us = {mode: results[mode][key] for mode in MODES}
-        fm = FLASHMLA_US.get((T, H, shape))
+        fm = FLASHMLA_US[(T, H, shape)]  # every grid shape has one
         rows.append(dict(T=T, H=H, topk=shape, us=us, flashmla_us=fm))
         ratios = [f"{fm / us[m]:>{w}.2f}" for m, w in zip(MODES, (10, 8, 12, 12))]
         print(f"{T:>4} {H:>4} {shape:>8} {us['shipped']:>8.1f} {us['no_softmax']:>8.1f} "
