@@ -333,8 +333,9 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
         d_qk = FORMATS[_DSV4_FORMAT].d_qk
         return (f"cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, {d_qk}] or "
                 f"[tokens, heads, {d_qk}]")
-    if isinstance(bmm2_scale, torch.Tensor) or bmm2_scale != 1.0:
-        return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}"
+    problem = _scale_problem(bmm1_scale, bmm2_scale)
+    if problem is not None:
+        return problem
     if kv_layout != "NHD" and kv_layout != "HND":
         return f"kv_layout must be 'HND' or 'NHD', got {kv_layout!r}"
     if sparse_topk_lens is not None:
@@ -360,10 +361,18 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
                 f"got {sparse_topk_lens_offset!r}")
     if formats is None:
         return f"kv_cache_format must be one of {sorted(DSV4_KV_CACHE_FORMATS)}, got {kv_cache_format!r}"
-    if isinstance(bmm1_scale, (bool, torch.Tensor)) or not isinstance(bmm1_scale, (int, float)):
-        return (f"bmm1_scale must be a Python number: a tensor would be read back to the host (a synchronization, "
-                f"wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too), got "
-                f"{type(bmm1_scale).__name__}")
+    return None
+
+
+def _scale_problem(bmm1_scale, bmm2_scale) -> str | None:
+    """What FlashInfer's two scales ask that the kernels do not do (None: nothing), for both
+    FlashInfer adapters. Any other ``bmm1_scale`` is the API's ``sm_scale``, refused by its
+    rule (``SCALE_RULE``) where it is not a usable number."""
+    if isinstance(bmm1_scale, torch.Tensor) or isinstance(bmm2_scale, torch.Tensor):
+        return ("bmm1_scale and bmm2_scale must be Python numbers: a tensor would be read back to the host (a "
+                "synchronization, wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too)")
+    if bmm2_scale != 1.0:
+        return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}"
     return None
 
 
@@ -495,10 +504,9 @@ def trtllm_batch_decode_with_kv_cache_mla(
                         (bool(use_fp16_softmax), "use_fp16_softmax")):
         if given:
             refuse(f"{what} is not served by the sparse decode")
-    if isinstance(bmm1_scale, torch.Tensor) or isinstance(bmm2_scale, torch.Tensor):
-        refuse("bmm1_scale and bmm2_scale must be Python floats (device scale tensors are not served)")
-    if bmm2_scale != 1.0:
-        refuse(f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale}")
+    problem = _scale_problem(bmm1_scale, bmm2_scale)
+    if problem is not None:
+        refuse(problem)
     if return_lse_base not in _LSE_BASES:
         refuse(f"return_lse_base must be 'basee', 'base2' or None, got {return_lse_base!r}")
     convention = _LSE_BASES[return_lse_base] if lse_convention is None else lse_convention

@@ -375,7 +375,7 @@ def validate_tensors(given: DecodeTensors, *, sm_scale=None, precision=None, kv_
         check.fail(f"device {torch.cuda.get_device_name(device)} is not a supported target; "
                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
     try:
-        precision = resolve_precision(precision, arch, fmt.name)
+        precision = resolve_precision(precision, arch)  # the formats read it (checked above)
     except ValueError as e:
         check.fail(str(e))
 

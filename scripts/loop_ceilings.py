@@ -101,6 +101,7 @@ def _time_mode(mode: str, grid: list, out_json: str, one_cta_per_sm: bool) -> No
     """In this process: ``mode``'s kernels, each grid shape's time into ``out_json``."""
     import torch
 
+    from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
     from dispatch import PlanOverrides
     from dispatch.tools.timing import graph_time_us, plan_runner
     from scripts.bench import Caches, call_inputs, inputs
@@ -112,10 +113,11 @@ def _time_mode(mode: str, grid: list, out_json: str, one_cta_per_sm: bool) -> No
     times = {}
     for T, H, shape in grid:
         q, idx, e_idx, _ = inputs(T, H, shape, gen)
-        cache, kw = call_inputs(shape, caches, "model1_fp8", e_idx)
-        times[f"{T}x{H}x{shape}"] = graph_time_us(plan_runner(q, cache, idx, kw=kw, precision="f16",
-                                                              overrides=overrides, kv_format="model1_fp8"))
-        print(f"{mode}: T={T} H={H} topk={shape}: {times[f'{T}x{H}x{shape}']:.1f} us", file=sys.stderr, flush=True)
+        cache, kw = call_inputs(shape, caches, DEFAULT_FORMAT, e_idx)
+        us = graph_time_us(plan_runner(q, cache, idx, kw=kw, precision="f16", overrides=overrides,
+                                       kv_format=DEFAULT_FORMAT))
+        times[f"{T}x{H}x{shape}"] = us
+        print(f"{mode}: T={T} H={H} topk={shape}: {us:.1f} us", file=sys.stderr, flush=True)
     Path(out_json).write_text(json.dumps(times))
 
 

@@ -63,7 +63,7 @@ def test_flashinfer_mla_adapter_serves_the_vllm_v32_and_glm_calls():
     (dict(skip_softmax_threshold_scale_factor=1.0), "skip_softmax_threshold_scale_factor is not served"),
     (dict(uses_shared_paged_kv_idx=False), "separate K/V page indices"),
     (dict(bmm2_scale=2.0), "bmm2_scale must be 1.0"),
-    (dict(bmm1_scale=torch.tensor(0.1)), "must be Python floats"),
+    (dict(bmm1_scale=torch.tensor(0.1)), "bmm1_scale and bmm2_scale must be Python numbers: a tensor would be read"),
     (dict(bmm1_scale="0.1"), "sm_scale must be a real Python number"),  # not converted: the API's rule refuses it
     (dict(bmm1_scale=True), "sm_scale must be a real Python number"),
     (dict(block_tables=torch.zeros(3, 1, 32, dtype=torch.int32)), "expected [3, 1, 64]"),
@@ -126,9 +126,10 @@ def _vllm_dsv4_call(**overrides):
     ({}, "the kernels run on CUDA devices only"),
     (dict(num_valid_heads=5), "the kernels run on CUDA devices only"),
     (dict(kv_layout="HND"), "swa_kv_cache of shape [4, 64, 1, 584] is not laid out as kv_layout='HND'"),
-    (dict(bmm1_scale=torch.tensor(0.05)), "bmm1_scale must be a Python number: a tensor would be read back to the "
-                                          "host"),
+    (dict(bmm1_scale=torch.tensor(0.05)), "bmm1_scale and bmm2_scale must be Python numbers: a tensor would be "
+                                          "read back to the host"),
     (dict(bmm1_scale=1), "the kernels run on CUDA devices only"),
+    (dict(bmm1_scale=True), "sm_scale must be a real Python number"),  # the API's rule, as for the MLA adapter
     (dict(swa_topk_lens=torch.full((3, 1), 7, dtype=torch.int32)), "the kernels run on CUDA devices only"),
     (dict(kv_layout="NDH"), "kv_layout must be 'HND' or 'NHD'"),
     (dict(backend="trtllm-gen"), "backend must be one of ('auto', 'sparse', 'cake')"),

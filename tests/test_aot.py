@@ -353,7 +353,7 @@ def test_project_version_falls_back_to_the_installed_metadata(monkeypatch, tmp_p
 
     from dispatch.runtime import fingerprint as fp
 
-    monkeypatch.setattr(fp, "_ROOT", tmp_path)  # no pyproject.toml: an installed wheel
+    monkeypatch.setattr(fp, "ROOT", tmp_path)  # no pyproject.toml: an installed wheel
     monkeypatch.setattr(metadata, "version", lambda dist: {fp.DISTRIBUTION: "9.8.7"}[dist])
     assert fp._project_version() == "9.8.7"
 

@@ -16,7 +16,7 @@ from cute_kernels.sparse_mla_decode.kv_format import (
 from dispatch import InvalidDecodeInput
 from dispatch.adapters import DSV4_KV_CACHE_FORMATS
 from dispatch.api import validate_call
-from dispatch.policy.precision import format_precisions, precisions_for, resolve_precision
+from dispatch.policy.precision import check_format_precision, format_precisions, precisions_for
 from dispatch.policy.registry import SM120_SMEM_PER_SM
 from dispatch.policy.variant_space import variant_space
 from dispatch.runtime import plan as plan_module
@@ -48,8 +48,8 @@ def test_path_problem_names_what_a_kernel_cannot_read():
 
 
 def test_a_path_a_format_cannot_read_is_refused_by_its_kernel_config():
-    with pytest.raises(ValueError, match="precision 'fp8' does not read v41_fp8 caches: the FP8 paths apply one "
-                                         "UE8M0 scale per 64-dim MMA unit, not per 32 dims"):
+    with pytest.raises(ValueError, match=r"precision 'fp8' does not read v41_fp8 caches \(the FP8 paths apply one "
+                                         r"UE8M0 scale per 64-dim MMA unit, not per 32 dims\)"):
         PartialConfig(kv_format=V41_FP8.name, precision="fp8").check()
     PartialConfig(kv_format=V41_FP8.name, precision="bf16").check()
 
@@ -85,9 +85,9 @@ def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypat
 
     assert new.name in formats_of_width(528)
     assert format_precisions("sm_120a", new.name) == ("bf16", "f16")
-    assert resolve_precision("bf16", "sm_120a", new.name) == "bf16"
+    check_format_precision("bf16", new.name)
     with pytest.raises(ValueError, match="'mxf8' does not read test_fp8_record caches"):
-        resolve_precision("mxf8", "sm_120a", new.name)
+        check_format_precision("mxf8", new.name)
     ours = [v.config for v in variant_space("sm_120a") if v.kind == "partial" and v.config.kv_format == new.name]
     base = [v.config for v in variant_space("sm_120a") if v.kind == "partial" and v.config.kv_format == V41_FP8.name]
     assert ours and [dataclasses.replace(c, kv_format=V41_FP8.name) for c in ours] == base

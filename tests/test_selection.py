@@ -18,7 +18,7 @@ from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
 from dispatch.policy.occupancy import resident_ctas_per_sm
 from dispatch.policy.splits import MAX_SPLITS, plan_splits, two_ctas_per_sm
 from dispatch.policy.head_groups import head_groups_for, partial_shape_config
-from dispatch.policy.precision import precisions_for, resolve_precision
+from dispatch.policy.precision import check_format_precision, precisions_for, resolve_precision
 from dispatch.policy.variant_space import variant_space, variants_for
 from tests.dispatch_inputs import MODEL1, _md
 
@@ -316,11 +316,13 @@ def test_precision_a_format_lacks_is_refused_naming_it():
     arch, with the format named (the arch check comes second)."""
     for arch in ("sm_90a", "sm_120a", "sm_121a"):
         for kv_format in (V32_FP8.name, GLM_NOPE_FP8.name):
-            assert resolve_precision(None, arch, kv_format) == "f16"
-            assert resolve_precision("fp8", arch, kv_format) == "fp8"
+            for precision in (None, "fp8"):
+                check_format_precision(precision, kv_format)
+                assert resolve_precision(precision, arch) == (precision or "f16")
             with pytest.raises(ValueError, match=f"'mxf8' does not read {kv_format} caches"):
-                resolve_precision("mxf8", arch, kv_format)
-    assert resolve_precision("mxf8", "sm_120a", MODEL1) == "mxf8"
+                check_format_precision("mxf8", kv_format)
+    check_format_precision("mxf8", MODEL1)
+    assert resolve_precision("mxf8", "sm_120a") == "mxf8"
 
 
 @pytest.mark.parametrize("overrides,message", [

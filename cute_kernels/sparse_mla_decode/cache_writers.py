@@ -8,9 +8,7 @@ import torch
 
 from .cache_view import ALIGN, block_used_bytes, default_block_stride, flat_row_block_error
 from .e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode, pack_nibbles
-from .kv_format import FORMATS, FP8_E4M3_MAX, UE8M0_BIAS, KvFormat, get_format
-
-FLT_MIN = 2.0**-126
+from .kv_format import FLT_MIN, FORMATS, FP8_E4M3_MAX, UE8M0_BIAS, KvFormat, get_format
 
 
 def _e4m3(x: torch.Tensor) -> torch.Tensor:

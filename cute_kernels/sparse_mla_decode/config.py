@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..arch import BLOCK_SCALED_ARCHS, MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
 from . import tuning
-from .kv_format import DEFAULT_FORMAT, D_V, KvFormat, get_format, path_problem
+from .kv_format import DEFAULT_FORMAT, D_V, KvFormat, get_format, path_refusal
 from .smem import Region, SmemPlan
 
 # the compute paths compiled only for some archs (the others: for every supported arch)
@@ -165,9 +165,9 @@ class PartialConfig:
     def check(self) -> None:
         """Raise ValueError when this configuration cannot be generated."""
         fmt = get_format(self.kv_format)
-        problem = path_problem(self.precision, fmt)
-        if problem:
-            raise ValueError(f"precision {self.precision!r} does not read {fmt.name} caches: {problem}")
+        refusal = path_refusal(self.precision, fmt)
+        if refusal:
+            raise ValueError(refusal)
         if self.has_sink and not self.final_output:
             raise ValueError("has_sink needs final_output (the merge kernel applies the sink otherwise)")
         if self.heads_per_group != 16:

@@ -32,7 +32,7 @@ import torch
 
 from .cache_readers import gather_slot_parts
 from .cache_view import extra_format_of, read_cache_view
-from .cache_writers import FLT_MIN
+from .kv_format import FLT_MIN
 from .kv_format import FP8_E4M3_MAX
 from .reference import apply_sink_and_empty, valid_entries
 

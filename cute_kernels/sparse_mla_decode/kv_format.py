@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 UE8M0_BIAS = 127
 FP8_E4M3_MAX = 448.0
+FLT_MIN = 2.0**-126  # the smallest normal float32
 NOPE_TILE = 64  # nope dims per "f16" nope warp and per FP8-path MMA unit
 D_V = 512  # every format's value width: the output rows and the merge kernel's
 PRECISIONS = ("bf16", "f16", "fp8", "mxf8")  # the compute paths (``docs/design.md``, "Precision")
@@ -263,6 +264,12 @@ def path_problem(path: str, fmt: KvFormat) -> str | None:
     if path == "mxf8" and fmt.scale_type != "ue8m0":
         return f"the block-scaled MMA takes UE8M0 scale bytes, not {fmt.scale_type} scales"
     return None
+
+
+def path_refusal(path: str, fmt: KvFormat) -> str | None:
+    """``path_problem`` as the sentence every refusal of that pairing says, or None."""
+    problem = path_problem(path, fmt)
+    return None if problem is None else f"precision {path!r} does not read {fmt.name} caches ({problem})"
 
 
 def get_format(name: str) -> KvFormat:

@@ -7,7 +7,6 @@ import functools
 
 from cute_kernels.arch import REGISTERS_PER_SM, RESERVED_SMEM_PER_CTA
 from cute_kernels.sparse_mla_decode.config import PartialConfig
-from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
 
 
 @functools.lru_cache(maxsize=1024)
@@ -25,7 +24,7 @@ def resident_ctas_per_sm(cfg: PartialConfig, smem_per_sm: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def f16_bound_allowed(kv_format: str = DEFAULT_FORMAT) -> bool:
+def f16_bound_allowed(kv_format: str) -> bool:
     """Whether the "f16" kernel of ``kv_format`` can be held to 128 registers at all: only
     where it has 256 threads (MODEL1's 7 nope warps and its rope warp; the formats of 512
     nope dims have 8 nope warps, 288 threads, and cannot), as ``PartialConfig.check`` says."""
@@ -36,7 +35,7 @@ def f16_bound_allowed(kv_format: str = DEFAULT_FORMAT) -> bool:
     return True
 
 
-def two_bounded_f16_ctas_fit(smem_per_sm: int, kv_format: str = DEFAULT_FORMAT) -> bool:
+def two_bounded_f16_ctas_fit(smem_per_sm: int, kv_format: str) -> bool:
     """Whether an SM with ``smem_per_sm`` bytes of shared memory holds two "f16" one-group
     CTAs of ``kv_format`` held to 128 registers (MODEL1 on the H200: yes; on sm_120: no;
     a format whose "f16" kernel cannot be bounded: never): where the dispatch plans the

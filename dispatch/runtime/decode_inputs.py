@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
+from cute_kernels.sparse_mla_decode.kv_format import FLT_MIN
 
 
 class DecodeTensors(NamedTuple):
@@ -82,7 +83,6 @@ def overlap_problem(overlap: tuple[str, str]) -> str:
 
 
 FLT_MAX = 3.4028234663852886e38  # the largest finite float32
-FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
 # what an sm_scale must be, as every refusal of one says it (``scale_log2``)
 SCALE_RULE = ("sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32 (the "
               "kernels' argument: finite, at least 1.2e-38 in magnitude)")

@@ -19,13 +19,13 @@ from ..policy.variant_space import KernelVariant
 FIELDS = ("name", "arch", "dsl_version", "dsl_libs", "project_version", "source_hash")
 DISTRIBUTION = "dsv4-sparse-mla"
 
-_ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (or the installed copy) this package runs from
 
 
 def _project_version() -> str:
     """The project's version, written once in ``pyproject.toml``: read from it in a source
     checkout (installed or not), else from the installed distribution's metadata (a wheel)."""
-    pyproject = _ROOT / "pyproject.toml"
+    pyproject = ROOT / "pyproject.toml"
     if pyproject.is_file():
         section = None
         for line in pyproject.read_text().splitlines():
@@ -75,10 +75,10 @@ def source_hash() -> str:
     h = hashlib.sha256()
     files = []
     for rel in _SOURCES:
-        path = _ROOT / rel
+        path = ROOT / rel
         files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
     for f in files:
-        h.update(str(f.relative_to(_ROOT)).encode())
+        h.update(str(f.relative_to(ROOT)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:20]
 

@@ -25,7 +25,6 @@ import torch
 
 from cute_kernels.sparse_mla_decode.cache_view import page_division_magic
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
-from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
 from cute_kernels.sparse_mla_decode.kv_format import D_V
 
 from ..policy.selection import PlanOverrides, select_for_call
@@ -129,7 +128,7 @@ class DecodePlan:
         self._present = tuple(i for i, span in enumerate(self._spans) if span)
         self._no_overlap = None  # the last addresses found free of overlap (``_overlap``)
         self._compiled = [(loader.get_compiled(v), argument_kinds(schema)) for v, schema in zip(self.variants, schemas)]
-        example = [0 if t is None else t.data_ptr() for t in tensors] + [call.sm_scale * LOG2_E, 0, 0]
+        example = [0 if t is None else t.data_ptr() for t in tensors] + [scale_log2(call.sm_scale, self.default_sm_scale), 0, 0]
         self._kernels = self._make_kernels(example)
         self._lock = threading.Lock()  # the packed arguments are shared state: one run at a time
 

@@ -67,7 +67,7 @@ def layout_key(tensors: tuple, names: tuple) -> tuple:
     one) and ``names`` (the format and precision asked for, ...). Raises AttributeError for an
     argument that is not a tensor (the caller then validates the call in full, which refuses
     it); a name that cannot be hashed raises TypeError where the key is looked up. Per tensor
-    it is ``plan.layout_signature``, written out here: this runs on every call."""
+    it is ``decode_inputs.layout_signature``, written out here: this runs on every call."""
     return names + tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 

@@ -44,7 +44,7 @@ from cute_kernels.arch import DEPLOYMENT_ARCHS, SMEM_PER_CTA_MAX, SUPPORTED_ARCH
 
 from ..policy.registry import registry_variants
 from ..policy.variant_space import KernelVariant
-from ..runtime.fingerprint import fingerprint, mismatches
+from ..runtime.fingerprint import ROOT, fingerprint, mismatches
 from ..runtime.loader import MANIFEST, MANIFEST_FORMAT, PACKAGE_AOT_DIR, read_manifest, sha256_file
 
 DEFAULT_OUT = Path("build") / "aot"
@@ -211,7 +211,7 @@ def build(archs, out_dir: Path, *, jobs: int, only: str | None = None, force: bo
 def source_checkout() -> Path:
     """The source checkout this package runs from (what ``--wheel`` packages); SystemExit if
     it runs from an installed copy."""
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     if not (root / "pyproject.toml").exists():
         raise SystemExit(f"--wheel packages a source checkout: no pyproject.toml in {root} (install the project "
                          f"with pip install -e from its checkout)")

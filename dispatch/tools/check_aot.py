@@ -112,14 +112,13 @@ def deployment_inputs(shape, T: int, caches: dict, *, has_len=False, has_extra_l
 def serve_registry(aot_dir: str | None) -> int:
     import torch
 
-    from cute_kernels.arch import arch_for_capability
-
+    from ..api import device_target
     from ..runtime import loader
     from .. import sparse_mla_decode
     from ..policy.registry import DEPLOYMENT_SHAPES
     from ..policy.precision import format_precisions, precisions_for
 
-    arch = arch_for_capability(torch.cuda.get_device_capability())
+    arch, _, _ = device_target(torch.cuda.current_device())
     if arch is None:
         print(f"dsv4-mla-check-aot: {torch.cuda.get_device_name()} is not a supported GPU", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_view import ALIGN, default_block_stride
-from cute_kernels.sparse_mla_decode.cache_writers import FLT_MIN, pack_latent
+from cute_kernels.sparse_mla_decode.cache_writers import pack_latent
+from cute_kernels.sparse_mla_decode.kv_format import FLT_MIN
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 
 from ..api import INT32_MAX
