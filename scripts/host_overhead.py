@@ -24,7 +24,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch import plan_sparse_mla_decode, sparse_mla_decode
-from dispatch.adapters import trtllm_batch_decode_sparse_mla_dsv4
+from dispatch.engines.flashinfer_dsv4 import trtllm_batch_decode_sparse_mla_dsv4
 from dispatch.tools.sample_inputs import make_cache, make_indices
 
 FORMAT = get_format(DEFAULT_FORMAT)  # MODEL1 caches: the shapes include an extra cache

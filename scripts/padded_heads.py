@@ -4,7 +4,7 @@ padding (``num_valid_heads``), and without padding.
     python -m scripts.padded_heads
 
 vLLM pads DeepSeek-V4's query heads to 8/16/32/64/128 before FlashInfer's call; the adapter
-(``dispatch.adapters.trtllm_batch_decode_sparse_mla_dsv4``) serves every head it is given
+(``dispatch.engines.flashinfer_dsv4.trtllm_batch_decode_sparse_mla_dsv4``) serves every head it is given
 unless the caller says how many are real. For head counts that vLLM pads (4 -> 8 at TP16 of
 a 64-head model, 24 -> 32, 48 -> 64), T {1, 8, 64} and the SWA window (128) plus a ratio-4
 layer's 512 extra entries, this times each way by the method of ``scripts.bench`` (one call
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
-from dispatch.adapters import trtllm_batch_decode_sparse_mla_dsv4
+from dispatch.engines.flashinfer_dsv4 import trtllm_batch_decode_sparse_mla_dsv4
 from dispatch.tools.sample_inputs import make_cache, make_indices
 from scripts.bench import graph_time_us
 

@@ -14,7 +14,7 @@ from cute_kernels.sparse_mla_decode.kv_format import (
     EXTRA_FORMATS, FORMATS, PRECISIONS, V41_FP8, V41_NVFP4, formats_of_width, path_problem,
 )
 from dispatch import InvalidDecodeInput
-from dispatch.adapters import DSV4_KV_CACHE_FORMATS
+from dispatch.engines.flashinfer_dsv4 import DSV4_KV_CACHE_FORMATS
 from dispatch.api import validate_call
 from dispatch.policy.precision import check_format_precision, format_precisions, precisions_for
 from dispatch.policy.registry import SM120_SMEM_PER_SM

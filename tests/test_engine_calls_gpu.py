@@ -24,7 +24,8 @@ import torch
 from cute_kernels.sparse_mla_decode.cache_view import default_block_stride
 from cute_kernels.sparse_mla_decode.kv_format import MODEL1_FP8
 from cute_kernels.sparse_mla_decode.reference import reference_decode
-from dispatch.adapters import flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4
+from dispatch.engines.flashinfer_dsv4 import trtllm_batch_decode_sparse_mla_dsv4
+from dispatch.engines.flashmla import flash_mla_with_kvcache_sm120
 from dispatch.tools.accuracy import rounding_floor
 from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.tolerances import check_against_reference, seed_for

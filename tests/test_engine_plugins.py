@@ -1,15 +1,13 @@
-"""The engine plugins (``dispatch.engine_plugins``): declared entry points, opt-in by one
-environment variable, what they replace and how they refuse.
-
-The first tests run the plugins against stand-in engine modules (the names the plugins patch,
-nothing else), so the plugins' own logic is checked everywhere; the last ones load each plugin
-through the real engine's plugin loader and are skipped where that engine is not installed.
-"""
+"""The engine plugins (``dispatch.engines``): declared entry points, opt-in by one environment
+variable, what they patch on each GPU family, what they log and how they refuse, against
+stand-in engine modules (the names the plugins patch, nothing else): the plugins' own logic,
+checked everywhere. ``tests/test_real_engines.py`` checks them against the released engines."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import re
 import sys
 import types
@@ -18,31 +16,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from dispatch import InvalidDecodeInput, adapters, engine_plugins
-from dispatch.engine_plugins import ENV, SGLANG_TARGET, VLLM_BINDING, VLLM_CALLERS
+from dispatch import InvalidDecodeInput
+from dispatch.engines import flashinfer_dsv4, flashinfer_mla, plugin_mode, sglang_plugin, sm90_route, vllm_plugin
+from dispatch.engines.plugin_mode import ENV
+from dispatch.engines.sites import SITE, site, within_site
+from dispatch.policy import sm90_policy
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {"vllm.general_plugins": "dispatch.engine_plugins:register_vllm",
-                "sglang.srt.plugins": "dispatch.engine_plugins:register_sglang"}
+ENTRY_POINTS = {"vllm.general_plugins": "dispatch.engines.vllm_plugin:register",
+                "sglang.srt.plugins": "dispatch.engines.sglang_plugin:register"}
 
 
 def _declared_entry_points() -> dict:
     """{group: {name: value}} of pyproject.toml's [project.entry-points.*] tables."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: read the tables' lines
-        groups, current = {}, None
-        for line in (ROOT / "pyproject.toml").read_text().splitlines():
-            header = re.fullmatch(r'\[project\.entry-points\."([^"]+)"\]', line.strip())
-            if header:
-                current = groups.setdefault(header.group(1), {})
-            elif line.startswith("["):
-                current = None
-            elif current is not None and "=" in line:
-                name, value = (part.strip().strip('"') for part in line.split("=", 1))
-                current[name] = value
-        return groups
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    groups, current = {}, None
+    for line in (ROOT / "pyproject.toml").read_text().splitlines():
+        header = re.fullmatch(r'\[project\.entry-points\."([^"]+)"\]', line.strip())
+        if header:
+            current = groups.setdefault(header.group(1), {})
+        elif line.startswith("["):
+            current = None
+        elif current is not None and "=" in line:
+            name, value = (part.strip().strip('"') for part in line.split("=", 1))
+            current[name] = value
+    return groups
 
 
 def test_entry_points_are_declared_and_resolve():
@@ -59,22 +56,51 @@ def test_entry_points_are_declared_and_resolve():
         assert target in [ep.value for ep in importlib.metadata.entry_points(group=group)], group
 
 
-@pytest.mark.parametrize("value,mode", [(None, None), ("", None), ("0", None), ("1", "sm120"), ("force", "force")])
+@pytest.mark.parametrize("value,mode", [(None, None), ("", None), ("0", None), ("off", None), ("1", "auto"),
+                                        ("yes", "auto"), ("sm120", "sm120"), ("SM90", "sm90")])
 def test_the_variable_names_the_mode(monkeypatch, value, mode):
     if value is None:
         monkeypatch.delenv(ENV, raising=False)
     else:
         monkeypatch.setenv(ENV, value)
-    assert engine_plugins.requested_mode() == mode
+    assert plugin_mode.requested_mode() == mode
 
 
-def test_an_unknown_value_is_refused(monkeypatch):
-    monkeypatch.setenv(ENV, "sometimes")
-    with pytest.raises(ValueError, match="use 1 .* force .* or 0"):
-        engine_plugins.register_vllm()
+@pytest.mark.parametrize("value", ["force", "sometimes", "2"])
+def test_an_unknown_value_is_refused_naming_the_values(monkeypatch, caplog, value):
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ValueError, match=r"use 1 \(this GPU's route: .*\), sm120 or sm90 \(that route only\), or 0"):
+        vllm_plugin.register(capability=lambda: (12, 0))
+    assert "dsv4-sparse-mla:" in caplog.text
 
 
-# ---------------------------------------------------------------------- stand-in engines
+@pytest.mark.parametrize("mode,capability,family", [
+    ("1", (12, 0), "sm120"), ("1", (12, 1), "sm120"), ("1", (9, 0), "sm90"), ("1", (8, 0), None),
+    ("1", (10, 0), None), ("1", None, None), ("sm120", (9, 0), None), ("sm90", (9, 0), "sm90"),
+    ("sm90", (12, 0), None), ("0", (12, 0), None),
+])
+def test_each_gpu_family_gets_its_own_route_only(monkeypatch, caplog, mode, capability, family):
+    monkeypatch.setenv(ENV, mode)
+    with caplog.at_level("WARNING"):
+        got = plugin_mode.family_to_install(vllm_plugin.LOG, "vLLM", lambda: capability)
+    assert got == family
+    if family is None and mode != "0":  # said once, at WARNING, in words that say nothing runs through this library
+        lines = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(lines) == 1 and "nothing patched" in lines[0].getMessage()
+        assert "replaced" not in lines[0].getMessage()
+
+
+def test_an_unreadable_gpu_leaves_the_engine_alone(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("NVML unavailable")
+
+    monkeypatch.setenv(ENV, "1")
+    with caplog.at_level("WARNING"):
+        assert plugin_mode.family_to_install(vllm_plugin.LOG, "vLLM", broken) is None
+    assert "cannot be read (RuntimeError: NVML unavailable)" in caplog.text
+
+
+# ---------------------------------------------------------------------- stand-in vLLM
 def _module(monkeypatch, name: str, **attrs) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__dict__.update(attrs)
@@ -86,83 +112,184 @@ def _original(*args, **kwargs):
     return "the engine's own kernel"
 
 
-def _stand_in_vllm(monkeypatch, capability=(12, 0), with_binding=True, loaded_callers=()):
-    cap = None if capability is None else types.SimpleNamespace(major=capability[0], minor=capability[1])
-    platform = types.SimpleNamespace(get_device_capability=lambda: cap)
+def _stand_in_vllm_sm120(monkeypatch, with_binding=True, loaded_callers=()):
     _module(monkeypatch, "vllm", __version__="0.0.test", __path__=[])
-    _module(monkeypatch, "vllm.platforms", current_platform=platform)
     _module(monkeypatch, "vllm.utils", __path__=[])
-    binding = _module(monkeypatch, VLLM_BINDING[0], **({VLLM_BINDING[1]: _original} if with_binding else {}),
-                      **{engine_plugins.VLLM_SHAPE_CHECK: lambda num_q_heads, top_k: False})
-    callers = [_module(monkeypatch, name, **{VLLM_BINDING[1]: _original}) for name in loaded_callers]
+    names = {name: _original for name, _, _ in vllm_plugin.SM120_BINDINGS}
+    if not with_binding:
+        names.pop(vllm_plugin.SM120_BINDINGS[0][0])
+    binding = _module(monkeypatch, vllm_plugin.FLASHINFER_BINDINGS, **names,
+                      **{vllm_plugin.SM120_SHAPE_CHECK: lambda num_q_heads, top_k: False})
+    callers = [_module(monkeypatch, name, **{vllm_plugin.SM120_BINDINGS[0][0]: _original}) for name in loaded_callers]
     return binding, callers
 
 
 def test_vllm_plugin_does_nothing_unless_enabled(monkeypatch):
-    binding, _ = _stand_in_vllm(monkeypatch)
+    binding, _ = _stand_in_vllm_sm120(monkeypatch)
     monkeypatch.delenv(ENV, raising=False)
-    engine_plugins.register_vllm()
-    assert getattr(binding, VLLM_BINDING[1]) is _original
+    vllm_plugin.register(capability=lambda: (12, 0))
+    assert all(getattr(binding, name) is _original for name, _, _ in vllm_plugin.SM120_BINDINGS)
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (10, 0), None])
-def test_vllm_plugin_leaves_other_gpus_alone_unless_forced(monkeypatch, caplog, capability):
-    binding, _ = _stand_in_vllm(monkeypatch, capability=capability)
+@pytest.mark.parametrize("capability", [(9, 0), (8, 9), (10, 0)])
+def test_vllm_plugin_never_patches_the_sm120_functions_off_sm120(monkeypatch, capability):
+    """vLLM calls its SM120 binding on other GPUs too (``DeepseekV4FlashInferMLAAttention`` with
+    ``--attention-backend FLASHINFER_MLA_SPARSE_DSV4``, storage-offset indices this library does
+    not read): off SM120 it stays FlashInfer's whatever the variable says."""
+    binding, _ = _stand_in_vllm_sm120(monkeypatch)
+    for value in ("1", "sm120") if capability[0] != 9 else ("sm120",):  # "1" on sm_90 takes its own route
+        monkeypatch.setenv(ENV, value)
+        vllm_plugin.register(capability=lambda: capability)
+        assert all(getattr(binding, name) is _original for name, _, _ in vllm_plugin.SM120_BINDINGS)
+
+
+def test_vllm_plugin_replaces_the_sm120_bindings_and_loaded_callers(monkeypatch, caplog):
+    binding, callers = _stand_in_vllm_sm120(monkeypatch, loaded_callers=vllm_plugin.SM120_BINDINGS[0][2][:1])
     monkeypatch.setenv(ENV, "1")
-    with caplog.at_level("INFO", logger=engine_plugins.VLLM_LOG.name):
-        engine_plugins.register_vllm()
-    assert getattr(binding, VLLM_BINDING[1]) is _original
-    assert "left in place" in caplog.text and f"{ENV}=1" in caplog.text
-    monkeypatch.setenv(ENV, "force")
-    engine_plugins.register_vllm()
-    assert getattr(binding, VLLM_BINDING[1]) is adapters.trtllm_batch_decode_sparse_mla_dsv4
+    with caplog.at_level("WARNING", logger=vllm_plugin.LOG.name):
+        vllm_plugin.register(capability=lambda: (12, 0))
+    dsv4, mla = (getattr(binding, name) for name, _, _ in vllm_plugin.SM120_BINDINGS)
+    assert dsv4.__wrapped__ is flashinfer_dsv4.trtllm_batch_decode_sparse_mla_dsv4
+    assert mla.__wrapped__ is flashinfer_mla.trtllm_batch_decode_with_kv_cache_mla
+    assert getattr(callers[0], vllm_plugin.SM120_BINDINGS[0][0]) is dsv4
+    assert getattr(binding, vllm_plugin.SM120_SHAPE_CHECK)(24, 1152)  # every (heads, top-k) is served
+    lines = [r.getMessage() for r in caplog.records if r.name == vllm_plugin.LOG.name]
+    assert len(lines) == 1 and "DeepSeek-V3.2 / GLM-5 decode now call this library" in lines[0]
+    assert f"{vllm_plugin.SM120_BINDINGS[0][2][0]}.{vllm_plugin.SM120_BINDINGS[0][0]}" in lines[0]
+    # the first call in this process says so (a forked worker inherits the patch, not the start-up line)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=vllm_plugin.LOG.name), pytest.raises(InvalidDecodeInput):
+        dsv4(torch.zeros(1, 8, 512).to(torch.bfloat16), torch.zeros(4, 64, 1, 584, dtype=torch.uint8), None,
+             torch.zeros(1, 8, dtype=torch.int32), kv_layout="NHD")
+    with pytest.raises(InvalidDecodeInput):
+        dsv4(torch.zeros(1, 8, 512).to(torch.bfloat16), torch.zeros(4, 64, 1, 584, dtype=torch.uint8), None,
+             torch.zeros(1, 8, dtype=torch.int32), kv_layout="NHD")
+    first = [r.getMessage() for r in caplog.records if "first call" in r.getMessage()]
+    assert len(first) == 1 and "served by dispatch.engines.flashinfer_dsv4" in first[0]
 
 
-@pytest.mark.parametrize("capability", [(12, 0), (12, 1)])
-def test_vllm_plugin_replaces_the_binding_and_loaded_callers(monkeypatch, caplog, capability):
-    binding, callers = _stand_in_vllm(monkeypatch, capability=capability, loaded_callers=VLLM_CALLERS[:1])
-    monkeypatch.setenv(ENV, "1")
-    with caplog.at_level("INFO", logger=engine_plugins.VLLM_LOG.name):
-        engine_plugins.register_vllm()
-    for module in (binding, *callers):
-        assert getattr(module, VLLM_BINDING[1]) is adapters.trtllm_batch_decode_sparse_mla_dsv4
-    assert getattr(binding, engine_plugins.VLLM_SHAPE_CHECK)(24, 1152)  # every (heads, top-k) is served
-    lines = [r for r in caplog.records if r.name == engine_plugins.VLLM_LOG.name]
-    assert len(lines) == 1 and f"{VLLM_CALLERS[0]}.{VLLM_BINDING[1]}" in lines[0].getMessage()
-
-
-def test_vllm_plugin_refuses_loudly_when_the_function_moved(monkeypatch):
-    _stand_in_vllm(monkeypatch, with_binding=False)
+def test_vllm_plugin_refuses_loudly_when_a_function_moved(monkeypatch):
+    _stand_in_vllm_sm120(monkeypatch, with_binding=False)
     monkeypatch.setenv(ENV, "1")
     with pytest.raises(RuntimeError, match=r"vLLM .* has no vllm\.utils\.flashinfer\.flashinfer_trtllm_batch_decode_"
                                            r"sparse_mla_dsv4: this plugin was written against vLLM 0\.34\.0"):
-        engine_plugins.register_vllm()
+        vllm_plugin.register(capability=lambda: (12, 0))
 
 
 def test_vllm_plugin_patches_all_or_nothing(monkeypatch):
-    binding, (caller,) = _stand_in_vllm(monkeypatch, loaded_callers=VLLM_CALLERS[1:])
-    delattr(caller, VLLM_BINDING[1])
+    binding, (caller,) = _stand_in_vllm_sm120(monkeypatch, loaded_callers=vllm_plugin.SM120_BINDINGS[0][2][1:])
+    delattr(caller, vllm_plugin.SM120_BINDINGS[0][0])
     monkeypatch.setenv(ENV, "1")
-    with pytest.raises(RuntimeError, match=re.escape(f"has no {VLLM_CALLERS[1]}.{VLLM_BINDING[1]}")):
-        engine_plugins.register_vllm()
-    assert getattr(binding, VLLM_BINDING[1]) is _original
+    with pytest.raises(RuntimeError, match="has no vllm.models.deepseek_v41"):
+        vllm_plugin.register(capability=lambda: (12, 0))
+    assert all(getattr(binding, name) is _original for name, _, _ in vllm_plugin.SM120_BINDINGS)
 
 
-def test_vllm_plugin_leaves_the_engine_alone_when_the_gpu_cannot_be_read(monkeypatch, caplog):
-    binding, _ = _stand_in_vllm(monkeypatch)
+class _Layer:
+    """A stand-in of vLLM's FlashMLA attention layer: its decode calls FlashMLA's function by
+    the module's name with the query padded to 64 heads."""
 
-    def broken():
-        raise RuntimeError("NVML unavailable")
+    n_local_heads = 16
 
-    monkeypatch.setattr(sys.modules["vllm.platforms"], "current_platform",
-                        types.SimpleNamespace(get_device_capability=broken))
+    def __init__(self, module):
+        self.module = module
+
+    def _forward_decode(self, q, **kwargs):
+        return self.module.flash_mla_with_kvcache(q=q, **kwargs)
+
+
+def _stand_in_vllm_sm90(monkeypatch):
+    calls = []
+
+    def flashmla(*args, **kwargs):
+        calls.append(kwargs)
+        return "FlashMLA", None
+
+    _module(monkeypatch, "vllm", __version__="0.0.test", __path__=[])
+    ops = _module(monkeypatch, vllm_plugin.SM90_FLASHMLA[0], flash_mla_with_kvcache=flashmla)
+    modules = {name: _module(monkeypatch, name, flash_mla_with_kvcache=flashmla) for name in vllm_plugin.SM90_CALLERS}
+    for module_name, cls_name, method, *_ in vllm_plugin.SM90_SITES:
+        layer_cls = type(cls_name, (_Layer,), {})
+        if method != "_forward_decode":
+            setattr(layer_cls, method, _Layer._forward_decode)
+        setattr(modules[module_name], cls_name, layer_cls)
+    return ops, modules, calls
+
+
+def test_vllm_plugin_routes_flashmla_per_shape_on_sm90(monkeypatch, caplog):
+    ops, modules, calls = _stand_in_vllm_sm90(monkeypatch)
+    rows = (sm90_policy.RouteRow("model1", 16, 8, 640, 10.0, 20.0), sm90_policy.RouteRow("model1", 16, 64, 640, 30.0,
+                                                                                           20.0))
+    monkeypatch.setattr(sm90_policy, "EVIDENCE", rows)
+    served = []
+    monkeypatch.setattr(sm90_route.flashmla, "flash_mla_with_kvcache",
+                        lambda *a, **kw: served.append(kw) or ("library", None))
     monkeypatch.setenv(ENV, "1")
-    with caplog.at_level("WARNING", logger=engine_plugins.VLLM_LOG.name):
-        engine_plugins.register_vllm()
-    assert getattr(binding, VLLM_BINDING[1]) is _original
-    assert "cannot be read (RuntimeError: NVML unavailable)" in caplog.text
+    with caplog.at_level("WARNING", logger=vllm_plugin.LOG.name):
+        vllm_plugin.register(capability=lambda: (9, 0))
+    route = ops.flash_mla_with_kvcache
+    assert all(m.flash_mla_with_kvcache is route for m in modules.values())
+    assert "routed per shape between this library and FlashMLA" in caplog.text
+    layer = getattr(modules[vllm_plugin.SM90_SITES[0][0]], vllm_plugin.SM90_SITES[0][1])(
+        modules[vllm_plugin.SM90_SITES[0][0]])
+    cache = torch.zeros(4, 64, 1, 584, dtype=torch.uint8)
+
+    def decode(tokens):
+        return layer._forward_decode(torch.zeros(tokens, 1, 64, 512).to(torch.bfloat16), k_cache=cache,
+                                     is_fp8_kvcache=True, indices=torch.zeros(tokens, 1, 128, dtype=torch.int32),
+                                     extra_k_cache=cache,
+                                     extra_indices_in_kvcache=torch.zeros(tokens, 1, 512, dtype=torch.int32),
+                                     out=torch.empty(tokens, 1, 64, 512, dtype=torch.bfloat16))
+
+    assert decode(4)[0] == "library" and served[-1]["num_valid_heads"] == 16 and served[-1]["kv_format"] == "model1_fp8"
+    assert served[-1]["return_lse"] is False  # vLLM drops the lse of this call
+    assert decode(64)[0] == "FlashMLA" and len(calls) == 1 and calls[0]["q"].shape[-2] == 64
+    # outside a known site (another model's FlashMLA call): the engine's function, unchanged
+    assert route(q=torch.zeros(2, 1, 64, 512), k_cache=cache, indices=None)[0] == "FlashMLA"
+    lines = [r.getMessage() for r in caplog.records if "first call routed" in r.getMessage()]
+    assert len(lines) == 2 and "routed to this library" in lines[0] and "routed to vLLM's FlashMLA" in lines[1]
 
 
+def test_the_route_hands_calls_it_does_not_read_to_flashmla(monkeypatch, caplog):
+    calls = []
+    route = sm90_route.make_route(lambda *a, **kw: calls.append(kw) or ("FlashMLA", None), vllm_plugin.LOG, "vLLM")
+    monkeypatch.setattr(sm90_policy, "EVIDENCE", (sm90_policy.RouteRow("model1", 64, 256, 4096, 1.0, 2.0),))
+    route = sm90_route.make_route(lambda *a, **kw: calls.append(kw) or ("FlashMLA", None), vllm_plugin.LOG, "vLLM")
+    base = dict(q=torch.zeros(2, 1, 64, 512), k_cache=torch.zeros(4, 64, 1, 584, dtype=torch.uint8),
+                indices=torch.zeros(2, 1, 128, dtype=torch.int32), is_fp8_kvcache=True)
+    where = site("test site", 16, False)
+    for odd in (dict(enable_batch_invariant=True), dict(descale_q=torch.ones(1)), dict(is_fp8_kvcache=False),
+                dict(k_cache=torch.zeros(4, 64, 1, 528, dtype=torch.uint8)), dict(a_new_keyword=1)):
+        with caplog.at_level("WARNING"):
+            assert within_site(where, route, **{**base, **odd})[0] == "FlashMLA"
+    assert len(calls) == 5 and "passes a_new_keyword, which this library's route does not know" in caplog.text
+
+
+def test_route_policy_rounds_up_to_the_nearest_measured_shape():
+    rows = tuple(sm90_policy.RouteRow("model1", h, t, 640, lib, 20.0)
+                 for h, t, lib in ((16, 8, 10.0), (16, 64, 15.0), (16, 256, 25.0), (64, 8, 18.0), (64, 64, 40.0)))
+    choose = sm90_policy.choose
+    assert choose("model1", 8, 1, 128, rows) == sm90_policy.LIBRARY  # below every measured value: the smallest rows
+    assert choose("model1", 16, 65, 640, rows) == sm90_policy.FLASHMLA  # 256 tokens: 25 > 20
+    assert choose("model1", 17, 8, 640, rows) == sm90_policy.LIBRARY  # 64 heads, 8 tokens: 18 < 20
+    assert choose("model1", 128, 4096, 9999, rows) == sm90_policy.FLASHMLA  # beyond all: the largest
+    assert choose("v32", 16, 1, 2048, rows) == sm90_policy.FLASHMLA  # no row of the family: the engine's kernel
+
+
+def test_route_tables_round_trip_and_bad_files_are_refused(tmp_path):
+    rows = (sm90_policy.RouteRow("v32", 16, 4, 2048, 9.5, 19.0),)
+    path = tmp_path / "route.json"
+    path.write_text(sm90_policy.to_json(rows, "test GPU"))
+    assert sm90_policy.load_table(path) == (rows, "test GPU")
+    path.write_text('{"rows": [{"family": "v4", "heads": 16, "tokens": 1, "entries": 1, "library_us": 1, '
+                    '"flashmla_us": 1}]}')
+    with pytest.raises(ValueError, match="rows out of range"):
+        sm90_policy.load_table(path)
+    with pytest.raises(ValueError, match="not a route table"):
+        sm90_policy.load_table(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------------- stand-in SGLang
 def _stand_in_sglang(monkeypatch, with_target=True, with_hooks=True):
     registered = []
 
@@ -171,81 +298,53 @@ def _stand_in_sglang(monkeypatch, with_target=True, with_hooks=True):
         def register(cls, target, hook, hook_type="after", *, source=None):
             registered.append((target, hook, hook_type))
 
-    hook_type = types.SimpleNamespace(REPLACE="replace")
+    hook_type = types.SimpleNamespace(REPLACE="replace", AROUND="around")
     _module(monkeypatch, "sglang", __version__="0.0.test", __path__=[])
     if with_hooks:
-        _module(monkeypatch, engine_plugins.SGLANG_HOOKS, HookRegistry=HookRegistry, HookType=hook_type)
+        _module(monkeypatch, sglang_plugin.HOOKS, HookRegistry=HookRegistry, HookType=hook_type)
     else:
-        monkeypatch.setitem(sys.modules, engine_plugins.SGLANG_HOOKS, None)  # import fails
-    module_name, name = SGLANG_TARGET.rsplit(".", 1)
-    _module(monkeypatch, module_name, **({name: _original} if with_target else {}))
+        monkeypatch.setitem(sys.modules, sglang_plugin.HOOKS, None)  # import fails
+    for path in (sglang_plugin.SM120_TARGET, sglang_plugin.SM90_TARGET):
+        module_name, name = path.rsplit(".", 1)
+        _module(monkeypatch, module_name, **({name: _original} if with_target else {}))
+    for path, *_ in sglang_plugin.SITE_HOOKS:
+        module_name, cls_name, _ = path.rsplit(".", 2)
+        _module(monkeypatch, module_name, **{cls_name: type(cls_name, (), {path.rsplit(".", 1)[1]: _original})})
     return registered
 
 
-def test_sglang_plugin_registers_a_replace_hook(monkeypatch, caplog):
-    monkeypatch.setattr(engine_plugins, "_gpu_capability", lambda: (12, 0))
+@pytest.mark.parametrize("capability,target,kind", [((12, 0), sglang_plugin.SM120_TARGET, "replace"),
+                                                    ((9, 0), sglang_plugin.SM90_TARGET, "around")])
+def test_sglang_plugin_registers_its_gpus_hooks(monkeypatch, caplog, capability, target, kind):
     registered = _stand_in_sglang(monkeypatch)
     monkeypatch.delenv(ENV, raising=False)
-    engine_plugins.register_sglang()
+    sglang_plugin.register(capability=lambda: capability)
     assert registered == []
     monkeypatch.setenv(ENV, "1")
-    with caplog.at_level("INFO", logger=engine_plugins.SGLANG_LOG.name):
-        engine_plugins.register_sglang()
-    assert registered == [(SGLANG_TARGET, adapters.flash_mla_with_kvcache_sm120, "replace")]
-    assert SGLANG_TARGET in caplog.text
+    with caplog.at_level("WARNING", logger=sglang_plugin.LOG.name):
+        sglang_plugin.register(capability=lambda: capability)
+    assert [(t, k) for t, _, k in registered] == [(target, kind)] + [(p, "around") for p, *_ in sglang_plugin.SITE_HOOKS]
+    assert target in caplog.text and "the real heads of each layer from" in caplog.text
+
+
+def test_sglang_sm120_call_computes_the_real_heads_of_its_site(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("dispatch.engines.flashmla.flash_mla_with_kvcache_sm120", lambda **kw: seen.update(kw))
+    q = torch.zeros(2, 1, 64, 512)
+    sglang_plugin.sm120_call(q=q)
+    assert "num_valid_heads" not in seen
+    within_site(site("layer", 16, False), sglang_plugin.sm120_call, q=q)
+    assert seen["num_valid_heads"] == 16
+    # the site hook reads the layer's tp_q_head_num from the method's arguments
+    hook = sglang_plugin._site_around("test", 3, False)
+    layer = types.SimpleNamespace(tp_q_head_num=8)
+    assert hook(lambda self, *a, **kw: SITE.get().real_heads, object(), "q", "k", "v", layer, "batch") == 8
 
 
 @pytest.mark.parametrize("missing", ["target", "hooks"])
-def test_sglang_plugin_refuses_loudly_when_the_function_moved(monkeypatch, caplog, missing):
-    monkeypatch.setattr(engine_plugins, "_gpu_capability", lambda: (12, 0))
+def test_sglang_plugin_refuses_loudly_when_a_function_moved(monkeypatch, caplog, missing):
     _stand_in_sglang(monkeypatch, with_target=missing != "target", with_hooks=missing != "hooks")
     monkeypatch.setenv(ENV, "1")
     with pytest.raises(RuntimeError, match="this plugin was written against SGLang 0.5.23"):
-        engine_plugins.register_sglang()
+        sglang_plugin.register(capability=lambda: (12, 0))
     assert "ERROR" in caplog.text  # logged too: SGLang's loader only logs a plugin's exception
-
-
-# ---------------------------------------------------------------------- the real engines
-def _cpu_dsv4_inputs():
-    q = torch.randn(2, 16, 512).to(torch.bfloat16)
-    cache = torch.zeros(4, 64, 1, 584, dtype=torch.uint8)
-    return q, cache, torch.zeros(2, 32, dtype=torch.int32)
-
-
-def test_vllm_loads_the_plugin_and_its_attention_calls_this_library(monkeypatch):
-    pytest.importorskip("vllm")
-    import vllm.plugins
-
-    monkeypatch.setenv(ENV, "force")
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False, raising=False)
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    vllm.plugins.load_general_plugins()
-    for caller in VLLM_CALLERS:
-        module = importlib.import_module(caller)
-        assert getattr(module, VLLM_BINDING[1]) is adapters.trtllm_batch_decode_sparse_mla_dsv4, caller
-    shape_check = getattr(importlib.import_module(VLLM_BINDING[0]), engine_plugins.VLLM_SHAPE_CHECK)
-    assert shape_check(24, 1152)  # the layers' start-up check: FlashInfer's table no longer decides
-    q, cache, idx = _cpu_dsv4_inputs()
-    with pytest.raises(InvalidDecodeInput, match="CUDA devices only"):  # this library's refusal, not FlashInfer's
-        getattr(importlib.import_module(VLLM_CALLERS[0]), VLLM_BINDING[1])(
-            query=q, swa_kv_cache=cache, workspace_buffer=None, sparse_indices=idx, kv_layout="NHD")
-
-
-def test_sglang_loads_the_plugin_and_its_backend_calls_this_library(monkeypatch):
-    pytest.importorskip("sglang")
-    plugins = importlib.import_module("sglang.srt.plugins")
-    hooks = importlib.import_module(engine_plugins.SGLANG_HOOKS)
-    module_name, name = SGLANG_TARGET.rsplit(".", 1)
-    target = importlib.import_module(module_name)
-    original = getattr(target, name)
-    monkeypatch.setenv(ENV, "force")
-    monkeypatch.setattr(plugins, "_plugins_loaded", False, raising=False)
-    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
-    try:
-        plugins.load_plugins()
-        q, cache, idx = _cpu_dsv4_inputs()
-        with pytest.raises(InvalidDecodeInput, match="CUDA devices only"):
-            getattr(target, name)(q=q[:, None], k_cache=cache, indices=idx[:, None], head_dim_v=512)
-    finally:
-        hooks.HookRegistry.reset()
-        setattr(target, name, original)

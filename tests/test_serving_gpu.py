@@ -14,9 +14,9 @@ import torch
 
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import plan_sparse_mla_decode, sparse_mla_decode
-from dispatch.adapters import (
-    flash_mla_with_kvcache, trtllm_batch_decode_sparse_mla_dsv4, trtllm_batch_decode_with_kv_cache_mla,
-)
+from dispatch.engines.flashinfer_dsv4 import trtllm_batch_decode_sparse_mla_dsv4
+from dispatch.engines.flashinfer_mla import trtllm_batch_decode_with_kv_cache_mla
+from dispatch.engines.flashmla import flash_mla_with_kvcache
 from dispatch.runtime.lse import convert_lse
 from dispatch.tools.sample_inputs import INT32_MAX, INT32_MIN, make_cache, make_indices
 from tests.tolerances import LSE_TOL, check_against_reference, out_error_and_bound, rounding_floor, seed_for

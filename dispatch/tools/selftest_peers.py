@@ -3,7 +3,7 @@ engine calls it:
 
 - FlashInfer's SM120 sparse MLA (sm_120 / sm_121): ``trtllm_batch_decode_sparse_mla_dsv4``
   for DeepSeek-V4 / V4.1 caches, the call vLLM's DeepSeek-V4 attention makes (its keywords:
-  ``dispatch.adapters``, checked against flashinfer-python 0.7.4), and
+  ``dispatch.engines.flashinfer_dsv4``, checked against flashinfer-python 0.7.2 and 0.7.4), and
   ``trtllm_batch_decode_with_kv_cache_mla`` in its sparse form for the FP32-scale rows of
   DeepSeek-V3.2 / GLM-5.x and GLM-5.3, the call vLLM's SM120 sparse MLA backend makes;
 - FlashMLA's sparse FP8 decode (``flash_mla_with_kvcache`` with ``is_fp8_kvcache=True`` and
@@ -27,7 +27,7 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 
-from ..adapters import DSV4_KV_CACHE_FORMATS
+from ..engines.flashinfer_dsv4 import DSV4_KV_CACHE_FORMATS
 
 FLASHINFER, FLASHMLA = "FlashInfer", "FlashMLA"
 PEERS = (FLASHINFER, FLASHMLA)

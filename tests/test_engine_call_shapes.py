@@ -1,4 +1,4 @@
-"""The adapters of FlashMLA's, FlashInfer's and SGLang's call shapes (CPU: up to the device
+"""The engines' call shapes (``dispatch.engines``: FlashMLA's, FlashInfer's and SGLang's; CPU: up to the device
 check): the calls vLLM and SGLang make reach the device check, and what an adapter does not
 serve is refused by name."""
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8
-from dispatch import InvalidDecodeInput
-from dispatch.adapters import (
-    DSV4_KV_CACHE_FORMATS, flash_mla_with_kvcache, flash_mla_with_kvcache_sm120, trtllm_batch_decode_sparse_mla_dsv4,
-    trtllm_batch_decode_with_kv_cache_mla,
-)
+from dispatch import DecodeMetadata, InvalidDecodeInput
+from dispatch.engines import flashinfer_dsv4
+from dispatch.engines.flashinfer_dsv4 import DSV4_KV_CACHE_FORMATS, trtllm_batch_decode_sparse_mla_dsv4
+from dispatch.engines.flashinfer_mla import trtllm_batch_decode_with_kv_cache_mla
+from dispatch.engines.flashmla import flash_mla_with_kvcache, flash_mla_with_kvcache_sm120
 from dispatch.policy.call_metadata import GENERIC_MODEL_TYPE
 from dispatch.tools.sample_inputs import make_cache
 from tests.dispatch_inputs import GLM_CACHE, GLM_POOL_CACHE, NVFP4_CACHE, V32_CACHE, V41_CACHE, V41_NVFP4_CACHE, _inputs
@@ -145,11 +145,12 @@ def _vllm_dsv4_call(**overrides):
      "the kernels run on CUDA devices only"),
     (dict(kv_cache_format="fp8_dsv41", swa_kv_cache=V41_CACHE, compressed_kv_cache=V41_NVFP4_CACHE),
      "[2, 64, 1, 288]: expected [num_blocks, P, 1, 528]"),  # the compressed cache named FP8
-    (dict(sparse_topk_lens_offset=2), "sparse_topk_lens_offset must be 0"),
+    (dict(sparse_topk_lens_offset=2), "sparse_topk_lens_offset must be the int 0"),
+    (dict(sparse_topk_lens_offset=torch.zeros(1, dtype=torch.int32)), "sparse_topk_lens_offset must be the int 0"),
     (dict(dsv4_output_scale=torch.ones(1)), "dsv4_output_scale: not served"),
     (dict(lse_scale=1.0, split_scratch=torch.empty(4)),
-     "lse_scale, split_scratch: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 this adapter serves "
-     "(checked against flashinfer-python 0.7.4)"),
+     "lse_scale, split_scratch: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 this call shape "
+     "serves (checked against flashinfer-python 0.7.2 and 0.7.4)"),
     (dict(hca_seq_lens=torch.zeros(3, dtype=torch.int32)), "hca_seq_lens: not served (FlashInfer's HCA inputs"),
     (dict(sparse_indices_are_storage_offsets=True), "sparse_indices_are_storage_offsets: not served"),
     (dict(cum_seq_lens_q=torch.zeros(4, dtype=torch.int32)), "cum_seq_lens_q (ragged query lengths) is not served"),
@@ -199,15 +200,13 @@ def test_sglang_adapter_takes_sglangs_keywords():
 def test_adapters_refuse_an_unknown_lse_convention_first(adapter):
     """Before any device work (the CPU inputs would be refused next) and whether or not an lse
     is returned."""
-    from dispatch import adapters
-
     base = _inputs()
     with pytest.raises(InvalidDecodeInput, match="lse_convention must be one of") as info:
         if adapter == "flash_mla":
-            adapters.flash_mla_with_kvcache(base["q"][None], base["kv_cache"], indices=base["indices"][None],
+            flash_mla_with_kvcache(base["q"][None], base["kv_cache"], indices=base["indices"][None],
                                             is_fp8_kvcache=True, lse_convention="log10")
         else:
-            adapters.trtllm_batch_decode_sparse_mla_dsv4(base["q"], base["kv_cache"], None, base["indices"],
+            trtllm_batch_decode_sparse_mla_dsv4(base["q"], base["kv_cache"], None, base["indices"],
                                                          return_lse=adapter == "trtllm", lse_convention="log10")
     assert info.value.metadata.num_heads == 16
 
@@ -215,15 +214,13 @@ def test_adapters_refuse_an_unknown_lse_convention_first(adapter):
 def test_dsv4_adapter_hands_each_tensor_to_its_own_field(monkeypatch):
     """The vLLM adapter builds its ``DecodeTensors`` by position (its hot path): each of
     vLLM's tensors lands in the field of its meaning."""
-    from dispatch import adapters
-
     seen = {}
 
     def capture(given, **options):
         seen.update(given._asdict(), options=options)
-        raise InvalidDecodeInput(adapters.DecodeMetadata(), "captured")
+        raise InvalidDecodeInput(DecodeMetadata(), "captured")
 
-    monkeypatch.setattr(adapters, "one_shot_decode", capture)
+    monkeypatch.setattr(flashinfer_dsv4, "one_shot_decode", capture)
     kw = _vllm_dsv4_call()
     _refused(trtllm_batch_decode_sparse_mla_dsv4, **kw)
     expected = dict(q=kw["query"], kv_cache=kw["swa_kv_cache"], indices=kw["sparse_indices"],
@@ -232,3 +229,135 @@ def test_dsv4_adapter_hands_each_tensor_to_its_own_field(monkeypatch):
                     extra_topk_length=kw["extra_sparse_topk_lens"])
     assert all(seen[name] is t for name, t in expected.items()), [n for n, t in expected.items() if seen[n] is not t]
     assert seen["options"]["sm_scale"] == kw["bmm1_scale"]
+
+
+# ---------------------------------------------------------------------- FlashInfer's signatures, by release
+# trtllm_batch_decode_sparse_mla_dsv4's parameters in flashinfer-python 0.7.2 and 0.7.4
+# (flashinfer/mla/_core.py; the same 31 positional parameters in both), with their defaults
+FLASHINFER_DSV4_POSITIONAL = (
+    ("query", None), ("swa_kv_cache", None), ("workspace_buffer", None), ("sparse_indices", None),
+    ("compressed_kv_cache", None), ("sparse_topk_lens", None), ("seq_lens", None), ("out", None),
+    ("bmm1_scale", 1.0), ("bmm2_scale", 1.0), ("sinks", None), ("kv_layout", "HND"), ("cum_seq_lens_q", None),
+    ("max_q_len", None), ("enable_pdl", None), ("swa_topk_lens", None), ("extra_sparse_indices", None),
+    ("extra_sparse_topk_lens", None), ("backend", "auto"), ("hca_swa_indices", None),
+    ("hca_compressed_block_tables", None), ("hca_seq_lens", None), ("hca_is_causal", True),
+    ("hca_use_persistent", False), ("hca_sparse_indices_format", None), ("remapped_sparse_indices_buffer", None),
+    ("sparse_indices_are_storage_offsets", None), ("dsv4_inv_rope_cos_sin_cache", None),
+    ("dsv4_output_scale", None), ("sparse_topk_lens_offset", 0), ("multi_ctas_kv_counter_buffer", None),
+)
+FLASHINFER_DSV4_KEYWORD_ONLY = (("kv_cache_format", "fp8"),)
+# trtllm_batch_decode_with_kv_cache_mla's 33 parameters (0.7.2 and 0.7.4: the same, none keyword-only)
+FLASHINFER_MLA_POSITIONAL = (
+    ("query", None), ("kv_cache", None), ("workspace_buffer", None), ("qk_nope_head_dim", None),
+    ("kv_lora_rank", None), ("qk_rope_head_dim", None), ("block_tables", None), ("seq_lens", None),
+    ("max_seq_len", None), ("sparse_mla_top_k", 0), ("out", None), ("bmm1_scale", 1.0), ("bmm2_scale", 1.0),
+    ("sinks", None), ("skip_softmax_threshold_scale_factor", None), ("enable_pdl", None), ("backend", "auto"),
+    ("is_var_seq", True), ("uses_shared_paged_kv_idx", True), ("lse", None), ("return_lse", False),
+    ("cute_dsl_impl", "auto"), ("kv_scale_format", "auto"), ("cum_seq_lens_q", None), ("max_q_len", None),
+    ("multi_ctas_kv_counter_buffer", None), ("sparse_mla_top_k_lens", None), ("enable_dcp", False),
+    ("cp_world", 1), ("cp_rank", 0), ("causal_seqlens_kv_global", None), ("use_fp16_softmax", None),
+    ("return_lse_base", None),
+)
+# FlashMLA's flash_mla_with_kvcache (vLLM 0.34's vendored flash_mla_interface.py; FlashMLA 9241ae3)
+FLASHMLA_POSITIONAL = (
+    ("q", None), ("k_cache", None), ("block_table", None), ("cache_seqlens", None), ("head_dim_v", None),
+    ("tile_scheduler_metadata", None), ("num_splits", None), ("softmax_scale", None), ("causal", False),
+    ("is_fp8_kvcache", False), ("indices", None), ("attn_sink", None), ("extra_k_cache", None),
+    ("extra_indices_in_kvcache", None), ("topk_length", None), ("extra_topk_length", None), ("out", None),
+    ("enable_batch_invariant", False),
+)
+
+
+def _parameters(fn, kind):
+    import inspect
+
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind == kind]
+
+
+@pytest.mark.parametrize("fn,positional,keyword_only", [
+    (trtllm_batch_decode_sparse_mla_dsv4, FLASHINFER_DSV4_POSITIONAL, FLASHINFER_DSV4_KEYWORD_ONLY),
+    (trtllm_batch_decode_with_kv_cache_mla, FLASHINFER_MLA_POSITIONAL, ()),
+    (flash_mla_with_kvcache, FLASHMLA_POSITIONAL, ()),
+])
+def test_call_shapes_take_the_peers_parameters_in_their_order(fn, positional, keyword_only):
+    """A caller passing by position lands each argument in the parameter of its meaning; the
+    defaults are the peer's, where the peer has one (a required parameter may default to None here)."""
+    import inspect
+
+    ours = _parameters(fn, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    assert [n for n, _ in ours] == [n for n, _ in positional]
+    for (name, default), (_, theirs) in zip(ours, positional):
+        assert theirs is None or default == theirs, (name, default, theirs)
+    ours_kw = dict(_parameters(fn, inspect.Parameter.KEYWORD_ONLY))
+    assert all(ours_kw[name] == default for name, default in keyword_only)
+
+
+def test_dsv4_call_accepts_flashinfers_scratch_buffers_and_default_none():
+    scratch = dict(remapped_sparse_indices_buffer=torch.empty(64, dtype=torch.int32),
+                   multi_ctas_kv_counter_buffer=torch.zeros(8, dtype=torch.int32),
+                   sparse_indices_are_storage_offsets=None)
+    assert _refused(trtllm_batch_decode_sparse_mla_dsv4, **_vllm_dsv4_call(**scratch)).endswith(
+        "the kernels run on CUDA devices only")
+    kw = _vllm_dsv4_call()
+    # all 31 by position, as a positional caller passes them: each lands in its own parameter
+    args = [kw.get(name, default) for name, default in FLASHINFER_DSV4_POSITIONAL]
+    args[28] = torch.ones(1)  # dsv4_output_scale
+    assert "dsv4_output_scale: not served" in _refused(trtllm_batch_decode_sparse_mla_dsv4, *args)
+    args[28], args[29] = None, 3  # sparse_topk_lens_offset
+    assert "sparse_topk_lens_offset must be the int 0 (it offsets sparse_topk_lens" in _refused(
+        trtllm_batch_decode_sparse_mla_dsv4, *args)
+    args[29], args[27] = 0, torch.ones(1)  # dsv4_inv_rope_cos_sin_cache
+    assert "dsv4_inv_rope_cos_sin_cache: not served" in _refused(trtllm_batch_decode_sparse_mla_dsv4, *args)
+
+
+def _flashmla_v4_call(**overrides):
+    """vLLM's Hopper DeepSeek-V4 call (``_forward_decode``: keywords, q padded to 64 heads)."""
+    T = 3
+    cache = make_cache(4, 64, device="cpu", gen=torch.Generator().manual_seed(7))
+    kw = dict(q=torch.randn(T, 1, 64, 512).to(torch.bfloat16), k_cache=cache, block_table=None, head_dim_v=512,
+              tile_scheduler_metadata=object(), cache_seqlens=None, is_fp8_kvcache=True,
+              indices=torch.zeros(T, 1, 128, dtype=torch.int32), topk_length=torch.full((T,), 5, dtype=torch.int32),
+              softmax_scale=512 ** -0.5, attn_sink=torch.zeros(64), extra_k_cache=cache,
+              extra_indices_in_kvcache=torch.zeros(T, 1, 512, dtype=torch.int32),
+              extra_topk_length=torch.full((T,), 9, dtype=torch.int32),
+              out=torch.empty(T, 1, 64, 512, dtype=torch.bfloat16))
+    kw.update(overrides)
+    return kw
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({}, "the kernels run on CUDA devices only"),
+    (dict(num_valid_heads=16), "the kernels run on CUDA devices only"),
+    (dict(num_valid_heads=16, out=None), "the kernels run on CUDA devices only"),
+    # vLLM's V3.2 call passes placeholders FlashMLA's sparse path does not read
+    (dict(block_table=torch.empty(4, 1, dtype=torch.int32), cache_seqlens=torch.zeros(3, dtype=torch.int32)),
+     "the kernels run on CUDA devices only"),
+    (dict(enable_batch_invariant=True), "enable_batch_invariant=True is not served"),
+    (dict(causal=True), "causal must be False"),
+    (dict(is_fp8_kvcache="yes"), "only the sparse FP8 decode path is served"),
+    (dict(num_valid_heads=65), "num_valid_heads must be an int in [1, num_heads], got 65"),
+    (dict(num_valid_heads=True), "num_valid_heads must be an int in [1, num_heads], got True"),
+    (dict(return_lse=1), "return_lse must be True or False, got 1"),
+    (dict(head_dim_v="512"), "head_dim_v must be 512 (the value width of model1_fp8 caches), got '512'"),
+    (dict(out=torch.empty(3, 1, 64, 512, dtype=torch.bfloat16)[:, :, :, :256]), "out has shape"),
+])
+def test_flashmla_call_serves_the_engines_hopper_call_and_refuses_the_rest(overrides, message):
+    assert message in _refused(flash_mla_with_kvcache, **_flashmla_v4_call(**overrides))
+
+
+def test_flashinfer_mla_lse_is_an_output_of_the_call_checked_as_one():
+    """The lse FlashInfer's MLA call writes is written by the call (not copied after it): an lse
+    over the output's memory is refused before any GPU work, as any overlapping output is."""
+    kw = _vllm_v32_call()
+    buf = torch.empty(3 * 16 * 512 * 2, dtype=torch.uint8)
+    kw["out"] = buf.view(torch.bfloat16).view(3, 1, 16, 512)
+    kw["lse"] = buf[: 3 * 16 * 4].view(torch.float32).view(3, 16)
+    assert "overlaps" in _refused(trtllm_batch_decode_with_kv_cache_mla, return_lse=True, **kw)
+    kw["lse"] = torch.empty(1).expand(3, 16)
+    assert "lse has a stride of 0" in _refused(trtllm_batch_decode_with_kv_cache_mla, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("flag,value", [("return_lse", "no"), ("uses_shared_paged_kv_idx", "False"),
+                                        ("enable_pdl", 1), ("is_var_seq", None)])
+def test_flashinfer_mla_flags_take_booleans_only(flag, value):
+    assert f"{flag} must be" in _refused(trtllm_batch_decode_with_kv_cache_mla, **_vllm_v32_call(**{flag: value}))

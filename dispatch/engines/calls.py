@@ -1,0 +1,68 @@
+"""What the engine call shapes share: a refusal naming what can be read of the call, the
+cache format a call's cache is read as, the lse convention and FlashInfer's two scales."""
+
+from __future__ import annotations
+
+import math
+from typing import NoReturn
+
+import torch
+
+from cute_kernels.sparse_mla_decode.cache_view import format_of
+from cute_kernels.sparse_mla_decode.kv_format import KvFormat
+
+from ..policy.call_metadata import DecodeMetadata, InvalidDecodeInput
+from ..runtime.lse import check_convention
+
+
+def refuse(problem: str, q, kv_format: str | None = None) -> NoReturn:
+    """Raise ``InvalidDecodeInput`` for ``problem``, naming what can be read of the call."""
+    shaped = isinstance(q, torch.Tensor) and q.dim() >= 3
+    md = DecodeMetadata(num_tokens=math.prod(q.shape[:-2]) if shaped else None,
+                        num_heads=q.shape[-2] if shaped else None,
+                        d_qk=q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() >= 1 else None,
+                        kv_format=kv_format)
+    raise InvalidDecodeInput(md, problem)
+
+
+def known_format(cache, kv_format: str | None) -> KvFormat | None:
+    """The format ``cache`` is read as (``kv_format``, or its width), None where that cannot
+    be told: ``sparse_mla_decode`` then refuses the cache with the reason."""
+    try:
+        return format_of(cache, kv_format)
+    except Exception:
+        return None
+
+
+def check_lse_convention(convention, q) -> None:
+    """Refuse an unknown lse convention before any GPU work (whether or not an lse is returned)."""
+    try:
+        check_convention(convention)
+    except ValueError as err:
+        refuse(str(err), q)
+
+
+def flashinfer_scale_problem(bmm1_scale, bmm2_scale) -> str | None:
+    """What FlashInfer's two scales ask that the kernels do not do (None: nothing), for both
+    FlashInfer call shapes. Any other ``bmm1_scale`` is the API's ``sm_scale``, refused by its
+    rule (``SCALE_RULE``) where it is not a usable number."""
+    if isinstance(bmm1_scale, torch.Tensor) or isinstance(bmm2_scale, torch.Tensor):
+        return ("bmm1_scale and bmm2_scale must be Python numbers: a tensor would be read back to the host (a "
+                "synchronization, wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too)")
+    if isinstance(bmm2_scale, bool) or not isinstance(bmm2_scale, (int, float)) or bmm2_scale != 1.0:
+        return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale!r}"
+    return None
+
+
+def valid_heads(q, out, sink, num_valid_heads, kv_format, *, names=("q", "out")):
+    """The first ``num_valid_heads`` heads of ``q``, ``out`` and ``sink`` (views): an engine
+    that pads the query heads for another kernel says how many are real, and only those are
+    read and computed; the padded rows of ``out`` are left as they are."""
+    if isinstance(num_valid_heads, bool) or not isinstance(num_valid_heads, int) or not (
+            isinstance(q, torch.Tensor) and q.dim() >= 3 and 1 <= num_valid_heads <= q.shape[-2]):
+        refuse(f"num_valid_heads must be an int in [1, num_heads], got {num_valid_heads!r}", q, kv_format)
+    if not isinstance(out, torch.Tensor) or out.dim() != q.dim():
+        refuse(f"num_valid_heads needs {names[1]} (the padded heads' rows are left as they are)", q, kv_format)
+    if isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.shape[0] == q.shape[-2]:
+        sink = sink[:num_valid_heads]
+    return q[..., :num_valid_heads, :], out[..., :num_valid_heads, :], sink

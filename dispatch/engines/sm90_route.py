@@ -1,0 +1,114 @@
+"""On Hopper, the engines' FlashMLA sparse decode calls, each served by this library or handed
+to the engine's own FlashMLA function, as ``dispatch.policy.sm90_policy`` says for its shape.
+
+The plugins wrap the engine's FlashMLA function with ``make_route`` and the methods that make
+the calls with ``sites.within_site``: a call site sets ``sites.SITE`` (its name and the layer's real query
+heads) for the duration of the call, so the route knows how many of the padded heads are real.
+A call made outside a known site, a call that is not the sparse FP8 decode, or one with an
+input this library does not read (batch-invariant mode, descaled queries, a keyword the route
+does not know) goes to the engine's function unchanged; the last case is logged once.
+
+The choice depends only on shapes (the family of the cache, real heads, tokens, entries):
+under CUDA-graph capture it is made once, at capture, and the graph replays that kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..policy import sm90_policy
+from . import flashmla
+from .sites import SITE, Site
+
+# names the engine's FlashMLA function takes: FlashMLA's own (vLLM 0.34's vendored interface)
+# and those SGLang 0.5.23's wrapper adds (``sglang/kernels/ops/attention/flash_mla_interface.py``)
+FLASHMLA_KEYWORDS = frozenset((
+    "q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata", "num_splits",
+    "softmax_scale", "causal", "is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache",
+    "topk_length", "extra_topk_length", "out", "enable_batch_invariant"))
+SGLANG_KEYWORDS = frozenset(("descale_q", "descale_k", "kv_format", "use_legacy"))
+# SGLang's kv_format names for FlashMLA's 656-byte rows (``dsa_backend.py``): with and without rope
+SGLANG_KV_FORMATS = {None: None, "V32": "v32_fp8", "V32_NO_ROPE": "glm_nope_fp8"}
+# the cache formats FlashMLA's sparse decode reads, by the last dimension of the cache view
+FORMAT_BY_WIDTH = {584: "model1_fp8", 656: "v32_fp8"}
+ROUTE_TABLE_ENV = "DSV4_MLA_SM90_ROUTE_TABLE"
+
+
+def route_rows() -> tuple[tuple[sm90_policy.RouteRow, ...], str]:
+    """The rows the route chooses by, and where they come from: the file ``ROUTE_TABLE_ENV``
+    names (``dsv4-mla-selftest --route-table``), else ``sm90_policy.EVIDENCE``."""
+    path = os.environ.get(ROUTE_TABLE_ENV, "").strip()
+    if path:
+        return sm90_policy.load_table(path)
+    return sm90_policy.EVIDENCE, sm90_policy.EVIDENCE_SOURCE or "sm90_policy.EVIDENCE"
+
+
+def call_shape(kwargs: dict, site: Site) -> tuple[str, str, int, int] | None:
+    """(format, family, tokens, entries) of a FlashMLA call made with ``kwargs`` at ``site``,
+    or None where the call is not one this library may serve (the module docstring)."""
+    if kwargs.get("indices") is None or kwargs.get("is_fp8_kvcache") is not True:
+        return None
+    if kwargs.get("enable_batch_invariant") or kwargs.get("causal") or kwargs.get("descale_q") is not None \
+            or kwargs.get("descale_k") is not None:
+        return None
+    q, cache, indices = kwargs.get("q"), kwargs.get("k_cache"), kwargs["indices"]
+    if getattr(q, "dim", lambda: 0)() != 4 or getattr(cache, "dim", lambda: 0)() != 4 or indices.dim() != 3:
+        return None
+    named = kwargs.get("kv_format")
+    fmt = SGLANG_KV_FORMATS.get(named, "?") if named is not None else FORMAT_BY_WIDTH.get(cache.shape[-1])
+    if fmt is None or fmt == "?" or not 1 <= site.real_heads <= q.shape[-2]:
+        return None
+    extra = kwargs.get("extra_indices_in_kvcache")
+    extra_cache = kwargs.get("extra_k_cache")
+    if extra_cache is not None and (extra is None or extra_cache.shape[-1] != cache.shape[-1]):
+        return None
+    entries = indices.shape[-1] + (extra.shape[-1] if extra_cache is not None else 0)
+    return fmt, sm90_policy.FAMILY_OF_FORMAT[fmt], q.shape[0] * q.shape[1], entries
+
+
+def make_route(original, log: logging.Logger, engine: str, table=None):
+    """The engine's FlashMLA function ``original``, routed: same arguments, same return
+    (``(out, lse)``; the lse None where the site does not read it). ``table``: (rows, source)
+    to choose by, instead of ``route_rows()``."""
+    rows, source = route_rows() if table is None else table
+    told: set = set()
+
+    def tell(key, message, *args):
+        if key not in told:
+            told.add(key)
+            log.warning("dsv4-sparse-mla: " + message, *args)
+
+    def route(*args, **kwargs):
+        site = SITE.get()
+        if site is None or args:
+            return original(*args, **kwargs)
+        unknown = kwargs.keys() - FLASHMLA_KEYWORDS - SGLANG_KEYWORDS
+        if unknown:
+            tell(("unknown", site.name, tuple(sorted(unknown))), "%s %s passes %s, which this library's route does "
+                 "not know: these calls run %s's FlashMLA", engine, site.name, ", ".join(sorted(unknown)), engine)
+            return original(*args, **kwargs)
+        shape = call_shape(kwargs, site)
+        if shape is None:
+            return original(*args, **kwargs)
+        fmt, family, tokens, entries = shape
+        q = kwargs["q"]
+        choice = sm90_policy.choose(family, site.real_heads, tokens, entries, rows)
+        tell((choice, site.name), "%s %s (pid %d): first call routed to %s (%s cache, %d real of %d heads, %d tokens, "
+             "%d entries; route table: %s)", engine, site.name, os.getpid(),
+             "this library" if choice == sm90_policy.LIBRARY else f"{engine}'s FlashMLA", fmt, site.real_heads,
+             q.shape[-2], tokens, entries, source)
+        if choice != sm90_policy.LIBRARY:
+            return original(*args, **kwargs)
+        return flashmla.flash_mla_with_kvcache(
+            q, kwargs["k_cache"], None, None, kwargs.get("head_dim_v", 512), softmax_scale=kwargs.get("softmax_scale"),
+            is_fp8_kvcache=True, indices=kwargs["indices"], attn_sink=kwargs.get("attn_sink"),
+            extra_k_cache=kwargs.get("extra_k_cache"), extra_indices_in_kvcache=kwargs.get("extra_indices_in_kvcache"),
+            topk_length=kwargs.get("topk_length"), extra_topk_length=kwargs.get("extra_topk_length"),
+            out=kwargs.get("out"), kv_format=fmt,
+            num_valid_heads=site.real_heads if site.real_heads < q.shape[-2] else None, return_lse=site.wants_lse)
+
+    route.__wrapped__ = original
+    route.__name__ = getattr(original, "__name__", "flash_mla_with_kvcache")
+    route.__qualname__ = route.__name__
+    return route

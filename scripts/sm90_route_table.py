@@ -1,0 +1,221 @@
+"""Measure the Hopper route's table (``dispatch.policy.sm90_policy``): this library's routed call
+against FlashMLA's SM90 sparse decode, both as the engines call them, on one GPU in one process.
+
+    python -m scripts.sm90_route_table [--quick] [--flashmla MODULE] [--json out.json]
+                                       [--python evidence.py] [--check]
+
+For each shape (family, real heads, tokens, lists): the query padded as vLLM and SGLang pad it
+for FlashMLA (64 heads up to 64 real ones, else 128; the real heads random, the padded ones
+zero, their sinks -inf), caches of 4096 page blocks x 64 tokens in FlashMLA's layouts
+(DeepSeek-V4's MODEL1 records; DeepSeek-V3.2's 656-byte rows), random slots, every list at
+its full length (the ratio-128 list: 512 valid entries of an 8192-wide row, as vLLM passes
+it). FlashMLA: ``flash_mla_with_kvcache(q_padded, ..., tile_scheduler_metadata=<its own>,
+out=out_padded)`` (``--flashmla``: the module that has it, default ``flash_mla``; vLLM's
+``vllm.v1.attention.ops.flashmla`` is the same interface). This library:
+``dispatch.engines.flashmla.flash_mla_with_kvcache`` on the same tensors with
+``num_valid_heads`` = the real heads (what the route runs when it picks this library). The two
+outputs' real heads must agree (rel L2 < 2e-2) before either is timed; each call is captured
+in a CUDA graph and replayed with L2 cleared (``dispatch.tools.timing``).
+
+``--check`` then times the route itself (``dispatch.engines.sm90_route``, with the table just
+measured, or ``--table FILE``) against FlashMLA on the registry's Hopper deployments
+(``CHECK_LISTS`` x ``CHECK_TOKENS``): what a routed engine call costs. ``--json`` writes the rows as ``sm90_policy.load_table`` reads them (a route table
+for ``DSV4_MLA_SM90_ROUTE_TABLE``), ``--python`` the ``EVIDENCE`` literal of the policy module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import itertools
+import json
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cute_kernels.sparse_mla_decode.kv_format import get_format
+from dispatch.engines import flashmla as library
+from dispatch.engines import sm90_route
+from dispatch.engines.sites import site, within_site
+from dispatch.policy import sm90_policy
+from dispatch.tools.sample_inputs import make_cache, make_indices
+from dispatch.tools.timing import graph_time_us
+
+NUM_BLOCKS, PAGE = 4096, 64
+HEADS = (8, 16, 32, 64, 128)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+QUICK_TOKENS = (1, 4, 8, 64, 256)
+# (family, main top-k, extra top-k, extra page, extra valid entries): DeepSeek-V4 / V4.1's SWA
+# window alone, with a ratio-4 list (V4-Flash 512, V4-Pro 1024) and with a ratio-128 list (an
+# 8192-wide row of which 512 are valid); DeepSeek-V3.2 / GLM-5's indexer top-k
+LISTS = (("model1", 128, 0, None, 0), ("model1", 128, 512, 64, 512), ("model1", 128, 1024, 64, 1024),
+         ("model1", 128, 8192, 2, 512), ("v32", 2048, 0, None, 0))
+FORMAT = {"model1": "model1_fp8", "v32": "v32_fp8"}
+AGREE = 2e-2  # rel L2 between the two outputs' real heads (FlashMLA's e4m3 rounding against this library's)
+
+
+@dataclass(frozen=True)
+class Shape:
+    family: str
+    heads: int
+    tokens: int
+    topk: int
+    extra_topk: int
+    extra_page: int | None
+    extra_valid: int
+
+    @property
+    def entries(self) -> int:  # what the route reads: the lists' widths
+        return self.topk + self.extra_topk
+
+    @property
+    def label(self) -> str:
+        extra = f"+{self.extra_topk}" if self.extra_topk else ""
+        return f"{self.family} {self.heads}h T={self.tokens} {self.topk}{extra}"
+
+
+# --check: the registry's Hopper deployments (V4-Flash TP 2 / 4 / 8: 32, 16, 8 heads; V4-Pro TP 4 / 8:
+# 32, 16; DeepSeek-V3.2 TP 8: 16; GLM-5 TP 8: 8) at the tokens of decode with MTP drafts and batches
+CHECK_TOKENS = (1, 2, 4, 8, 64, 256)
+CHECK_LISTS = ((("model1", 128, 512, 64, 512), (8, 16, 32)), (("model1", 128, 1024, 64, 1024), (16, 32)),
+               (("v32", 2048, 0, None, 0), (8, 16)))
+
+
+def shapes(quick: bool) -> list[Shape]:
+    tokens = QUICK_TOKENS if quick else TOKENS
+    return [Shape(f, h, t, k, e, p, v) for (f, k, e, p, v), h, t in itertools.product(LISTS, HEADS, tokens)]
+
+
+def check_shapes() -> list[Shape]:
+    return [Shape(*lists[:1], h, t, *lists[1:]) for lists, heads in CHECK_LISTS
+            for h, t in itertools.product(heads, CHECK_TOKENS)]
+
+
+_CACHES: dict = {}
+
+
+def cache_of(kv_format: str, page: int, gen: torch.Generator) -> torch.Tensor:
+    """The run's cache of ``kv_format`` in ``page``-token blocks (NUM_BLOCKS * PAGE tokens; made once)."""
+    if (kv_format, page) not in _CACHES:
+        _CACHES[kv_format, page] = make_cache(NUM_BLOCKS * PAGE // page, page, device="cuda", kv_format=kv_format,
+                                              gen=gen)
+    return _CACHES[kv_format, page]
+
+
+def call_kwargs(shape: Shape, gen: torch.Generator) -> dict:
+    """FlashMLA's keyword arguments for ``shape``, as vLLM passes them (query padded)."""
+    fmt = get_format(FORMAT[shape.family])
+    padded = 64 if shape.heads <= 64 else 128
+    T = shape.tokens
+    q = torch.zeros(T, 1, padded, fmt.d_qk, dtype=torch.bfloat16, device="cuda")
+    q[:, :, :shape.heads] = torch.randn(T, 1, shape.heads, fmt.d_qk, generator=gen).to("cuda", torch.bfloat16)
+    cache = cache_of(fmt.name, PAGE, gen)
+    kw = dict(q=q, k_cache=cache, block_table=None, cache_seqlens=None, head_dim_v=fmt.d_v,
+              softmax_scale=fmt.default_sm_scale, is_fp8_kvcache=True,
+              indices=make_indices(T, shape.topk, NUM_BLOCKS * PAGE, device="cuda", gen=gen).view(T, 1, -1),
+              out=torch.empty(T, 1, padded, fmt.d_v, dtype=torch.bfloat16, device="cuda"))
+    if shape.family == "model1":  # FlashMLA's SM90 kernel takes no topk_length on V3.2 rows (nor does vLLM pass one)
+        kw["topk_length"] = torch.full((T,), shape.topk, dtype=torch.int32, device="cuda")
+        sink = torch.full((padded,), float("-inf"), device="cuda")
+        sink[:shape.heads] = torch.randn(shape.heads, generator=gen).to("cuda")
+        kw["attn_sink"] = sink
+    if shape.extra_topk:
+        kw.update(extra_k_cache=cache_of(fmt.name, shape.extra_page, gen),
+                  extra_indices_in_kvcache=make_indices(T, shape.extra_topk, NUM_BLOCKS * PAGE, device="cuda",
+                                                        gen=gen).view(T, 1, -1),
+                  extra_topk_length=torch.full((T,), shape.extra_valid, dtype=torch.int32, device="cuda"))
+    return kw
+
+
+def runners(fm, shape: Shape, kw: dict, table=None) -> dict:
+    """No-argument calls: FlashMLA's, this library's (``num_valid_heads``), and with ``table``
+    the route's (the site's real heads set, as the plugins set them)."""
+    sched = fm.get_mla_metadata()[0]
+    fm_kw = dict(kw, tile_scheduler_metadata=sched)
+    fm_out = kw["out"]
+    lib_kw = dict(kw, out=torch.empty_like(fm_out))
+    calls = {"flashmla": lambda: fm.flash_mla_with_kvcache(**fm_kw),
+             "library": lambda: library.flash_mla_with_kvcache(**lib_kw, kv_format=FORMAT[shape.family],
+                                                               num_valid_heads=shape.heads, return_lse=False)}
+    if table is not None:
+        route = sm90_route.make_route(fm.flash_mla_with_kvcache, logging.getLogger("sm90_route_table"), "FlashMLA",
+                                      table=(table, "measured in this run"))
+        route_kw = dict(kw, out=torch.empty_like(fm_out), tile_scheduler_metadata=fm.get_mla_metadata()[0])
+        where = site("bench", shape.heads, False)
+        calls["routed"] = lambda: within_site(where, route, **route_kw)
+    return calls, fm_out, lib_kw["out"]
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor, heads: int) -> float:
+    a, b = a[:, :, :heads].double(), b[:, :, :heads].double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def source_line() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return f"{torch.cuda.get_device_name()}, {datetime.date.today().isoformat()}, project {commit}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS} only")
+    ap.add_argument("--flashmla", default="flash_mla", help="the module with FlashMLA's flash_mla_with_kvcache")
+    ap.add_argument("--json", help="write the rows (a route table) here")
+    ap.add_argument("--python", help="write the EVIDENCE literal of dispatch/policy/sm90_policy.py here")
+    ap.add_argument("--check", action="store_true", help="then time the route itself against FlashMLA")
+    ap.add_argument("--table", help="the route table --check uses (default: the rows just measured)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    fm = importlib.import_module(args.flashmla)
+    gen = torch.Generator().manual_seed(args.seed)
+    rows, checks = [], []
+    table = sm90_policy.load_table(args.table)[0] if args.table else None
+    print(f"{'shape':<28} {'library us':>10} {'FlashMLA us':>11} {'FlashMLA/lib':>12} {'agree':>8}")
+    for shape in shapes(args.quick):
+        kw = call_kwargs(shape, gen)
+        calls, fm_out, lib_out = runners(fm, shape, kw)
+        calls["flashmla"](), calls["library"]()
+        torch.cuda.synchronize()
+        err = agreement(lib_out, fm_out, shape.heads)
+        if not err < AGREE:
+            raise SystemExit(f"{shape.label}: this library and FlashMLA disagree (rel L2 {err:.2e} >= {AGREE}; seed "
+                             f"{args.seed})")
+        lib_us, fm_us = graph_time_us(calls["library"]), graph_time_us(calls["flashmla"])
+        rows.append(sm90_policy.RouteRow(shape.family, shape.heads, shape.tokens, shape.entries, round(lib_us, 2),
+                                         round(fm_us, 2)))
+        print(f"{shape.label:<28} {lib_us:>10.1f} {fm_us:>11.1f} {fm_us / lib_us:>12.2f} {err:>8.1e}", flush=True)
+    source = source_line()
+    if args.json:
+        Path(args.json).write_text(sm90_policy.to_json(rows, source))
+    if args.python:
+        lines = [f'EVIDENCE_SOURCE = "{source}"', "EVIDENCE: tuple[RouteRow, ...] = tuple(RouteRow(*r) for r in ("]
+        lines += [f'    ("{r.family}", {r.heads}, {r.tokens}, {r.entries}, {r.library_us}, {r.flashmla_us}),'
+                  for r in rows]
+        Path(args.python).write_text("\n".join(lines + ["))", ""]))
+    if args.check:
+        table = table or tuple(rows)
+        print(f"\n{'shape':<28} {'routed us':>10} {'FlashMLA us':>11} {'FlashMLA/routed':>15} {'route':>8}")
+        for shape in check_shapes():
+            kw = call_kwargs(shape, gen)
+            calls, _, _ = runners(fm, shape, kw, table=table)
+            routed_us, fm_us = graph_time_us(calls["routed"]), graph_time_us(calls["flashmla"])
+            pick = sm90_policy.choose(shape.family, shape.heads, shape.tokens, shape.entries, table)
+            checks.append(dict(family=shape.family, heads=shape.heads, tokens=shape.tokens, entries=shape.entries,
+                               routed_us=round(routed_us, 2), flashmla_us=round(fm_us, 2), route=pick))
+            print(f"{shape.label:<28} {routed_us:>10.1f} {fm_us:>11.1f} {fm_us / routed_us:>15.2f} {pick:>8}", flush=True)
+        if args.json:
+            data = json.loads(Path(args.json).read_text())
+            Path(args.json).write_text(json.dumps({**data, "check": checks}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
