@@ -1,7 +1,8 @@
 """The gather pipeline every partial kernel shares: selected cache rows into shared memory.
 
 The chunks of a token are numbered main list first, then extra: chunk c < ceil(topk / 32)
-reads the main cache, the rest the extra cache. A CTA walks the chunks of its split
+reads the main cache, the rest the extra cache (with a length tensor, only up to the last chunk
+the token's lengths reach: ``context``). A CTA walks the chunks of its split
 [c_begin, c_end). Per chunk:
 
 - indices: one 4-byte ``cp.async`` per entry into an index buffer (``slot_buffers`` of them,
@@ -75,16 +76,28 @@ class ChunkGather:
         and gather what the issuing steps read about the two lists into a namespace; also
         this split's chunk range [c_begin, c_end) and the S exchange tensor ``sS``."""
         bn = self.bn
+        m_limit, e_limit = self._length_limits(p.main_len, p.main_topk, p.extra_len, p.extra_topk, token)
         n_main_chunks = (p.main_topk + bn - 1) // bn
         n_chunks = n_main_chunks + (p.extra_topk + bn - 1) // bn
         c_begin = split * p.chunks_per_split
-        m_limit, e_limit = self._length_limits(p.main_len, p.main_topk, p.extra_len, p.extra_topk, token)
+        c_end = cutlass.min(c_begin + p.chunks_per_split, n_chunks)
+        if const_expr(self.cfg.has_topk_length or self.cfg.has_extra_topk_length):
+            # Not past the last chunk this token's lengths reach (the extra list's first
+            # ceil(e_limit / bn) after every main chunk; with no extra list, the main list's
+            # first ceil(m_limit / bn)): a list wider than its lengths (vLLM's ratio-128 rows,
+            # 8192 wide with about seq / 128 valid) costs what its valid entries cost, a split
+            # past them none (it writes an empty partial). Only the end moves: the splits'
+            # starts stay the plan's, kept in uniform registers with the chunk counter.
+            has_extra = cutlass.min(p.extra_topk, 1)  # 0 or 1
+            live = (has_extra * (n_main_chunks + (e_limit + bn - 1) // bn)
+                    + (1 - has_extra) * ((m_limit + bn - 1) // bn))
+            c_end = cutlass.min(c_end, live)
         sRaw = alloc.allocate("raw_rows", cutlass.Uint8, cute.make_layout(self.stages * self.stage_bytes))
         sS = alloc.allocate("s_exchange", cutlass.Float32, s_exchange_layout)
         sMask = alloc.allocate("masks", Int32, cute.make_layout(self.slots))
         sIdx = alloc.allocate("indices", Int32, cute.make_layout((bn, self.slots)))
         return SimpleNamespace(
-            c_begin=c_begin, c_end=cutlass.min(c_begin + p.chunks_per_split, n_chunks), sS=sS,
+            c_begin=c_begin, c_end=c_end, sS=sS,
             # addresses taken here, at the top level: an iterator's toint() first evaluated
             # inside a dynamic if is reused by later evaluations outside it (IR that does not verify)
             tidx=tidx, n_main_chunks=n_main_chunks, raw_base=sRaw.iterator.toint(), sMask=sMask, sIdx=sIdx,
