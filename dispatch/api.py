@@ -13,22 +13,21 @@ import torch
 
 from cute_kernels.arch import SUPPORTED_ARCHS, arch_for_capability
 from cute_kernels.sparse_mla_decode.cache_view import (
-    CacheLayoutError, CacheView, extra_format_of, format_of, read_cache_view,
+    CACHE_DTYPES, CacheLayoutError, CacheView, extra_format_of, format_of, read_cache_view,
 )
-from cute_kernels.sparse_mla_decode.kernel_args import PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, PRECISIONS, KvFormat, formats_of_width, get_format
 
 from .policy.call_metadata import DecodeMetadata, InvalidDecodeInput
 from .policy.precision import check_format_precision, resolve_precision
+from .policy.selection import KernelSelection, PlanOverrides, select_for_call
 from .runtime.decode_inputs import (
-    ATTN_SINK, LSE, OUT, SCALE_RULE, DecodeTensors, byte_span, overlap_problem, overlapping_output, scale_log2,
+    ATTN_SINK, INT32_MAX, LSE, OUT, POINTER_ALIGN, CallerNames, DecodeTensors, byte_span, caller_names, dense_problem,
+    misaligned_problem, overlap_problem, overlapping_output, scale_log2, scale_problem, self_overlap_problem,
 )
 from .runtime.lse import LSE_CONVENTIONS, check_convention, convert_lse
+from .runtime.plan import DecodePlan, launch_problem
 from .runtime.plan_cache import CachedPlan, PlanCache, layout_key
 
-INT32_MAX = 2**31 - 1  # the largest slot an int32 index can name
-# the byte alignment the kernels assume of each pointer argument (``kernel_args``)
-_ALIGN = {a.name: a.align for a in PARTIAL_ARGS if a.kind == "ptr"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,30 +102,39 @@ def _describe_call(given: DecodeTensors, kv_format=None, extra_kv_format=None) -
 
 # ---------------------------------------------------------------------- validation
 class _Checker:
-    """Raises ``InvalidDecodeInput`` naming the call for the first problem found."""
+    """Raises ``InvalidDecodeInput`` naming the call for the first problem found; ``names``
+    spells the arguments as the caller does (``CallerNames``)."""
 
-    def __init__(self, md: DecodeMetadata):
+    def __init__(self, md: DecodeMetadata, names: CallerNames):
         self.md = md
+        self.names = names
 
     def fail(self, problem: str):
         raise InvalidDecodeInput(self.md, problem)
 
+    def check(self, problem: str | None):
+        """Fail with ``problem`` where there is one (a shared rule's finding)."""
+        if problem is not None:
+            self.fail(problem)
+
     def tensor(self, t, name: str, dtype: torch.dtype | tuple, device: torch.device):
         if not isinstance(t, torch.Tensor):
             self.fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        self.check(dense_problem(t, name))
         dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
         if t.dtype not in dtypes:
             want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
             self.fail(f"{name} must be {want}, got {str(t.dtype).replace('torch.', '')}")
         if t.device != device:
-            self.fail(f"{name} is on {t.device}, expected {device} (the device of q)")
+            self.fail(f"{name} is on {t.device}, expected {device} (the device of {self.names['q']})")
 
     def shape(self, t, name: str, expected: tuple):
         if tuple(t.shape) != tuple(expected):
             self.fail(f"{name} has shape {list(t.shape)}, expected {list(expected)}")
 
-    def rows(self, t, name: str, align_elems: int, align_bytes: int):
-        """Last dim contiguous; every other stride a multiple of ``align_elems``; pointer aligned."""
+    def rows(self, t, name: str, align_elems: int):
+        """Last dim contiguous; every other stride a multiple of ``align_elems`` (the kernels
+        load a row's elements as wide words; the address itself: ``misaligned_problem``)."""
         if t.numel() == 0:
             return
         if t.stride(-1) != 1:
@@ -135,14 +143,13 @@ class _Checker:
             if t.shape[i] > 1 and t.stride(i) % align_elems != 0:
                 self.fail(f"{name} strides {list(t.stride())} must be multiples of {align_elems} elements "
                           f"(except the last)")
-        if t.data_ptr() % align_bytes != 0:
-            self.fail(f"{name} data pointer must be {align_bytes}-byte aligned")
 
     def cache(self, cache, name: str, device: torch.device, kv_format: str | None) -> CacheView:
         if not isinstance(cache, torch.Tensor):
             self.fail(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+        self.check(dense_problem(cache, name))
         if cache.device != device:
-            self.fail(f"{name} is on {cache.device}, expected {device} (the device of q)")
+            self.fail(f"{name} is on {cache.device}, expected {device} (the device of {self.names['q']})")
         try:
             view = read_cache_view(cache, kv_format, name=name)
         except CacheLayoutError as err:
@@ -153,21 +160,21 @@ class _Checker:
         """The extra cache, in ``extra_kv_format`` or the format ``cache_view.extra_format_of``
         reads it as: only a combination a model uses (``KvFormat.extras``); any other, and an
         extra cache beside a format no model pairs with one, is refused."""
+        name = self.names["extra_kv_cache"]
         allowed = main.extras
         if not allowed:
             served = ", ".join(f"{m.name} + {e}" for m in FORMATS.values() for e in m.extras)
-            self.fail(f"an extra_kv_cache is not served with {main.name} caches: no model combines a {main.name} "
+            self.fail(f"an {name} is not served with {main.name} caches: no model combines a {main.name} "
                       f"main cache with an extra cache (main + extra served: {served})")
-        if not isinstance(cache, torch.Tensor):
-            self.fail(f"extra_kv_cache must be a torch.Tensor, got {type(cache).__name__}")
+        self.tensor(cache, name, CACHE_DTYPES, device)  # its dtype before its width is read as a format's
         try:
             fmt = extra_format_of(cache, main, extra_kv_format)
         except CacheLayoutError as err:
-            self.fail(f"extra_kv_cache: {err}")
+            self.fail(f"{name}: {err}")
         if fmt.name not in allowed:
-            self.fail(f"extra_kv_cache reads as {fmt.name}: a {main.name} main cache combines only with an "
+            self.fail(f"{name} reads as {fmt.name}: a {main.name} main cache combines only with an "
                       f"extra cache of {list(allowed)} (extra_kv_format= names it)")
-        return self.cache(cache, "extra_kv_cache", device, fmt.name)
+        return self.cache(cache, name, device, fmt.name)
 
 
 def _qk_width(fmt: KvFormat) -> str:
@@ -239,6 +246,8 @@ class ValidatedCall:
     smem_per_sm: int
     precision: str
     launch_metadata: DecodeMetadata
+    # the dispatch's choice of kernels for the call (``select_for_call``); None for no token
+    selection: KernelSelection | None = None
 
     @property
     def fmt(self) -> KvFormat:
@@ -247,113 +256,126 @@ class ValidatedCall:
 
 def validate_call(q, kv_cache, indices, *, sm_scale=None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                   extra_indices=None, extra_topk_length=None, out=None, lse=None, precision=None,
-                  kv_format=None, extra_kv_format=None, for_plan=False, _target=None) -> ValidatedCall:
-    """Check every input of a ``sparse_mla_decode`` call (no GPU work); allocate ``out`` /
-    ``lse`` when not given. Raises InvalidDecodeInput. ``validate_tensors`` with the tensors
-    by name."""
+                  kv_format=None, extra_kv_format=None, for_plan=False, names=None, _target=None) -> ValidatedCall:
+    """Check every input of a ``sparse_mla_decode`` call, and that the GPU can launch the
+    kernels the call selects (no GPU work); allocate ``out`` / ``lse`` when not given. Raises
+    InvalidDecodeInput. ``validate_tensors`` with the tensors by name."""
     given = DecodeTensors(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                           out=out, lse=lse, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                           extra_topk_length=extra_topk_length)
     return validate_tensors(given, sm_scale=sm_scale, precision=precision, kv_format=kv_format,
-                            extra_kv_format=extra_kv_format, for_plan=for_plan, _target=_target)
+                            extra_kv_format=extra_kv_format, for_plan=for_plan, names=names, _target=_target)
 
 
 def validate_tensors(given: DecodeTensors, *, sm_scale=None, precision=None, kv_format=None, extra_kv_format=None,
-                     for_plan=False, _target=None) -> ValidatedCall:
-    """Check every input (no GPU work); allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput.
+                     for_plan=False, names=None, _target=None) -> ValidatedCall:
+    """Check every input, and that the GPU can launch the kernels the call selects
+    (``ValidatedCall.selection``: each grid within CUDA's limits, ``plan.launch_problem``), with
+    no GPU work; allocate ``out``/``lse`` when not given. Raises InvalidDecodeInput.
 
     ``kv_format``: the cache format's name (``dispatch.kv_formats.FORMATS``), or None to take
     it from the cache's last dimension where only one format has that width;
     ``extra_kv_format``: the extra cache's (None: ``cache_view.extra_format_of``). ``for_plan``: the
-    call is to be planned, which needs at least one token. ``_target``: a testing aid: (arch,
-    SM count, shared memory per SM) to plan for, instead of those of the inputs' CUDA device,
-    so that planning can be checked on CPU tensors (device index -1)."""
+    call is to be planned, which needs at least one token. ``names``: how the caller spells
+    the arguments, a mapping from the core names (the fields of ``DecodeTensors`` and
+    ``sm_scale``) to its own, e.g. ``{"q": "query", "indices": "sparse_indices", "attn_sink":
+    "sinks"}``; every refusal names an argument as mapped (one not mapped keeps its core
+    name); TypeError for a mapping of anything else (``decode_inputs.caller_names``).
+    ``_target``: a testing aid: (arch, SM count, shared memory per SM) to plan for, instead of
+    those of the inputs' CUDA device, so that planning can be checked on CPU tensors (device
+    index -1)."""
+    names = caller_names(names)
     md = _describe_call(given, kv_format, extra_kv_format)
-    check = _Checker(md)
+    check = _Checker(md, names)
     q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices, extra_topk_length = given
+    n_q, n_cache, n_extra_cache = names["q"], names["kv_cache"], names["extra_kv_cache"]
 
     # the main cache first: its format says what q, out and the extra cache must be
     if not isinstance(q, torch.Tensor):
-        check.fail(f"q must be a torch.Tensor, got {type(q).__name__}")
+        check.fail(f"{n_q} must be a torch.Tensor, got {type(q).__name__}")
+    check.check(dense_problem(q, n_q))
     if kv_format is None and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4:
         widths = formats_of_width(kv_cache.shape[-1])  # rows only an extra cache has: say so at once
         if widths and not any(FORMATS[w].main for w in widths):
             check.fail(f"{kv_cache.shape[-1]}-byte rows are those of {widths}, read only as an extra (compressed) "
-                       f"cache: pass it as extra_kv_cache beside a main cache of {_mains_of(*widths)}")
-    main = check.cache(kv_cache, "kv_cache", q.device, kv_format)
+                       f"cache: pass it as {n_extra_cache} beside a main cache of {_mains_of(*widths)}")
+    main = check.cache(kv_cache, n_cache, q.device, kv_format)
     fmt = main.fmt
     if not fmt.main:
-        check.fail(f"{fmt.name} is read only as an extra (compressed) cache: pass it as extra_kv_cache beside a "
+        check.fail(f"{fmt.name} is read only as an extra (compressed) cache: pass it as {n_extra_cache} beside a "
                    f"main cache of {_mains_of(fmt.name)}")
     if extra_kv_format is not None and extra_kv_cache is None:
-        check.fail("extra_kv_format was given without extra_kv_cache")
+        check.fail(f"extra_kv_format was given without {n_extra_cache}")
 
     # q: [T, H, d_qk] or [B, S, H, d_qk]
     if q.dim() not in (3, 4):
-        check.fail(f"q has shape {list(q.shape)}, expected [num_tokens, num_heads, {fmt.d_qk}] or "
+        check.fail(f"{n_q} has shape {list(q.shape)}, expected [num_tokens, num_heads, {fmt.d_qk}] or "
                    f"[batch, seq, num_heads, {fmt.d_qk}]")
     if q.shape[-1] != fmt.d_qk:
-        check.fail(f"q has QK width {q.shape[-1]}, expected d_qk = {_qk_width(fmt)}")
+        check.fail(f"{n_q} has QK width {q.shape[-1]}, expected d_qk = {_qk_width(fmt)}")
     if q.dtype != torch.bfloat16:
-        check.fail(f"q must be bfloat16, got {str(q.dtype).replace('torch.', '')}")
+        check.fail(f"{n_q} must be bfloat16, got {str(q.dtype).replace('torch.', '')}")
     device = q.device
     lead = tuple(q.shape[:-2])
     num_heads = q.shape[-2]
     if num_heads < 1:
         check.fail("num_heads must be at least 1")
-    q3 = _flatten_tokens(q, 2, "q", check)
+    q3 = _flatten_tokens(q, 2, n_q, check)
     num_tokens = q3.shape[0]
     if for_plan and num_tokens == 0:
         check.fail("a plan needs at least one token; sparse_mla_decode returns at once for T=0")
-    check.rows(q3, "q", _ALIGN["q"] // q.element_size(), _ALIGN["q"])
+    check.rows(q3, n_q, POINTER_ALIGN["q"] // q.element_size())
 
     # lists and the extra cache
-    idx = _indices(indices, "indices", lead, num_tokens, device, check, allow_empty=False)
+    idx = _indices(indices, names["indices"], lead, num_tokens, device, check, allow_empty=False)
     has_extra = extra_kv_cache is not None or extra_indices is not None
     if (extra_kv_cache is None) != (extra_indices is None):
-        check.fail("extra_kv_cache and extra_indices go together: pass both or neither")
+        check.fail(f"{n_extra_cache} and {names['extra_indices']} go together: pass both or neither")
     if extra_topk_length is not None and not has_extra:
-        check.fail("extra_topk_length was given without extra_kv_cache / extra_indices")
+        check.fail(f"{names['extra_topk_length']} was given without {n_extra_cache} / {names['extra_indices']}")
     extra, extra_idx = main, None
     if has_extra:
         extra = check.extra_cache(extra_kv_cache, fmt, device, extra_kv_format)
-        extra_idx = _indices(extra_indices, "extra_indices", lead, num_tokens, device, check, allow_empty=True)
+        extra_idx = _indices(extra_indices, names["extra_indices"], lead, num_tokens, device, check, allow_empty=True)
     if topk_length is not None:
-        _lengths(topk_length, "topk_length", num_tokens, lead, device, check)
+        _lengths(topk_length, names["topk_length"], num_tokens, lead, device, check)
     extra_lens = (None if extra_topk_length is None
-                  else _lengths(extra_topk_length, "extra_topk_length", num_tokens, lead, device, check))
+                  else _lengths(extra_topk_length, names["extra_topk_length"], num_tokens, lead, device, check))
 
     # scalars and outputs
     if sm_scale is None:
         sm_scale = fmt.default_sm_scale
     if scale_log2(sm_scale, fmt.default_sm_scale) is None:
-        check.fail(f"{SCALE_RULE}, got {sm_scale!r}")
+        check.fail(scale_problem(sm_scale, names["sm_scale"]))
     if attn_sink is not None:
-        check.tensor(attn_sink, "attn_sink", torch.float32, device)
-        check.shape(attn_sink, "attn_sink", (num_heads,))
+        n_sink = names["attn_sink"]
+        check.tensor(attn_sink, n_sink, torch.float32, device)
+        check.shape(attn_sink, n_sink, (num_heads,))
         if num_heads > 1 and attn_sink.stride(0) != 1:
-            check.fail("attn_sink must be contiguous")
+            check.fail(f"{n_sink} must be contiguous")
+    n_out, n_lse = names["out"], names["lse"]
     if out is None:
         out = torch.empty(*lead, num_heads, fmt.d_v, dtype=torch.bfloat16, device=device)
-    check.tensor(out, "out", torch.bfloat16, device)
-    check.shape(out, "out", (*lead, num_heads, fmt.d_v))
-    out3 = _flatten_tokens(out, 2, "out", check)
-    check.rows(out3, "out", _ALIGN["out"] // out.element_size(), _ALIGN["out"])
+    check.tensor(out, n_out, torch.bfloat16, device)
+    check.shape(out, n_out, (*lead, num_heads, fmt.d_v))
+    check.check(self_overlap_problem(out, n_out))
+    out3 = _flatten_tokens(out, 2, n_out, check)
+    check.rows(out3, n_out, POINTER_ALIGN["out"] // out.element_size())
     if lse is None:
         lse = torch.empty(*lead, num_heads, dtype=torch.float32, device=device)
-    check.tensor(lse, "lse", torch.float32, device)
-    check.shape(lse, "lse", (*lead, num_heads))
-    lse2 = _flatten_tokens(lse, 1, "lse", check)
-    for name, flat in (("out", out3), ("lse", lse2)):
-        if any(n > 1 and st == 0 for n, st in zip(flat.shape, flat.stride())):
-            check.fail(f"{name} has a stride of 0 (strides {list(flat.stride())} over its tokens and heads): many "
-                       f"rows would be written to one address; give every row memory of its own")
+    check.tensor(lse, n_lse, torch.float32, device)
+    check.shape(lse, n_lse, (*lead, num_heads))
+    check.check(self_overlap_problem(lse, n_lse))
+    lse2 = _flatten_tokens(lse, 1, n_lse, check)
     tensors = given._replace(out=out, lse=lse)
+    for field, t in zip(DecodeTensors._fields, tensors):  # every address as the kernels load it
+        if t is not None:
+            check.check(misaligned_problem(t, names[field], POINTER_ALIGN[field]))
     spans = tuple(0 if t is None else byte_span(t) for t in tensors)
     overlap = overlapping_output(tuple(0 if t is None else t.data_ptr() for t in tensors), spans,
                                  tuple(i for i, n in enumerate(spans) if n))
     if overlap is not None:
-        check.fail(overlap_problem(overlap))
+        check.fail(overlap_problem(overlap, names))
 
     if precision is not None and precision not in PRECISIONS:
         check.fail(f"precision must be one of {PRECISIONS} or None (the default), got {precision!r}")
@@ -389,7 +411,7 @@ def validate_tensors(given: DecodeTensors, *, sm_scale=None, precision=None, kv_
         "extra_slots": min(extra.num_slots, INT32_MAX),
         "out_t": out3.stride(0), "out_h": out3.stride(1), "lse_t": lse2.stride(0), "lse_h": lse2.stride(1),
     }
-    return ValidatedCall(
+    call = ValidatedCall(
         tensors=tensors, num_tokens=num_tokens, num_heads=num_heads, topk=idx.shape[-1], extra_topk=extra_topk,
         main=main, extra=extra, strides=strides, sm_scale=float(sm_scale), device_index=device_index, arch=arch,
         num_sms=num_sms, smem_per_sm=smem_per_sm, precision=precision,
@@ -397,6 +419,11 @@ def validate_tensors(given: DecodeTensors, *, sm_scale=None, precision=None, kv_
                                             kv_format=fmt.name,
                                             extra_kv_format=extra.fmt.name if extra.fmt is not fmt else None),
     )
+    if num_tokens:  # the kernels it would launch: each launch within the GPU's limits
+        call.selection = select_for_call(call)
+        check.md = call.launch_metadata
+        check.check(launch_problem(call.selection, q.shape, n_q))
+    return call
 
 
 # ---------------------------------------------------------------------- public API
@@ -431,9 +458,6 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
     plan is for that format) and errors as ``sparse_mla_decode``, but for T = 0 (refused: a
     plan needs at least one token).
     """
-    from .policy.selection import PlanOverrides
-    from .runtime.plan import DecodePlan
-
     given = DecodeTensors(q=q, kv_cache=kv_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                           out=out, lse=lse, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
                           extra_topk_length=extra_topk_length)
@@ -453,6 +477,8 @@ def plan_sparse_mla_decode(q, kv_cache, indices, *, topk_length=None, attn_sink=
                             for_plan=True)
     try:
         return DecodePlan(call, overrides)
+    except InvalidDecodeInput:  # a launch the GPU cannot make (``plan.launch_problem``)
+        raise
     except ValueError as err:  # an override no kernel has
         raise InvalidDecodeInput(call.launch_metadata, str(err)) from None
 
@@ -539,9 +565,16 @@ def sparse_mla_decode(
 
 
 def one_shot_decode(given: DecodeTensors, *, sm_scale, lse_convention, precision, kv_format, extra_kv_format,
-                    keep_lse=True, caller_tag=None, caller_check=None):
+                    keep_lse=True, caller_tag=None, caller_check=None, names=None):
     """``sparse_mla_decode`` on a ``DecodeTensors`` record, every option required by name
     (what the adapters call).
+
+    ``names``: how the caller spells the arguments, core name -> its own (``validate_tensors``),
+    e.g. ``{"q": "query", "kv_cache": "swa_kv_cache", "indices": "sparse_indices",
+    "topk_length": "swa_topk_lens", "attn_sink": "sinks", "sm_scale": "bmm1_scale"}``: a
+    refusal then says "sparse_indices must be int32", not "indices must be int32". It is read
+    only where the call is validated, never on a cached layout's call; build it once
+    (``decode_inputs.caller_names``) to have a wrong mapping refused at import.
 
     ``keep_lse=False`` (an adapter that returns no lse, with ``lse=None``): the kernels write
     the lse into a buffer the plan cache keeps, and the lse returned must not be used.
@@ -571,22 +604,20 @@ def one_shot_decode(given: DecodeTensors, *, sm_scale, lse_convention, precision
     if caller_check is not None:
         caller_check()
     return _validated_one_shot(key, entry, given, sm_scale=sm_scale, lse_convention=lse_convention,
-                               precision=precision, kv_format=kv_format, extra_kv_format=extra_kv_format)
+                               precision=precision, kv_format=kv_format, extra_kv_format=extra_kv_format, names=names)
 
 
 def _validated_one_shot(key, entry, given: DecodeTensors, *, sm_scale, lse_convention, precision, kv_format,
-                        extra_kv_format):
+                        extra_kv_format, names):
     """A one-shot call validated in full: its layout is not in the plan cache (``entry`` None),
     or the cached plan declined its addresses or scale (which this refuses). Plans and caches
     the plan under ``key`` (None: not cacheable), then launches."""
-    from .runtime.plan import DecodePlan
-
     try:
         check_convention(lse_convention)
     except ValueError as err:
         raise InvalidDecodeInput(_describe_call(given, kv_format, extra_kv_format), str(err)) from None
     call = validate_tensors(given, sm_scale=sm_scale, precision=precision, kv_format=kv_format,
-                            extra_kv_format=extra_kv_format)
+                            extra_kv_format=extra_kv_format, names=names)
     out, lse = call.tensors.out, call.tensors.lse
     if call.num_tokens == 0:
         return out, lse

@@ -25,7 +25,9 @@ from __future__ import annotations
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_readers import unpack_cache
-from cute_kernels.sparse_mla_decode.cache_writers import WRITERS, check_non_finite, pack_latent
+from cute_kernels.sparse_mla_decode.cache_writers import (
+    WRITERS, check_latent, check_non_finite, check_pack_options, pack_latent,
+)
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
 
 __all__ = ["FORMATS", "DEFAULT_FORMAT", "EXTRA_FORMATS", "KvFormat", "get_format", "writers", "pack", "unpack"]
@@ -55,10 +57,12 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
     all-zero group NaN, as it does in a pool); no slot below num_tokens is affected. A 3-D
     latent's P must be ``page_block_size``.
     ``writer``: whose scale recipe (``writers(kv_format)``; default the first).
-    ``block_stride`` (bytes, a multiple of 16), ``row_stride`` (inline-scale formats: bytes
-    between a block's rows, a multiple of 16 and at least the row) and ``fill`` (the bytes
-    that hold no data: an int in [0, 255]) as ``cache_writers.pack_latent``; ``row_stride`` is
-    refused for a footer format (its rows are packed).
+    ``block_stride`` (an int: bytes, a multiple of 16), ``row_stride`` (an int; inline-scale
+    formats: bytes between a block's rows, a multiple of 16 and at least the row) and ``fill``
+    (the bytes that hold no data: an int in [0, 255]) as ``cache_writers.pack_latent``, which
+    refuses what this refuses (``check_latent``, ``check_pack_options``); ``row_stride`` is
+    refused for a footer format (its rows are packed); a float, a string or a bool for any of
+    them is refused, never converted.
     NaN or Inf in the nope dims: encoded as the writer does where it defines it (FlashInfer's
     V4.1 writers: ``cache_writers.NON_FINITE_RECIPES``), refused naming the element and its
     scale group otherwise (``cache_writers.check_non_finite``); the rope dims are stored as
@@ -66,19 +70,11 @@ def pack(latent: torch.Tensor, kv_format: str, page_block_size: int, *, writer: 
     Raises ValueError naming what is wrong."""
     fmt = get_format(kv_format)
     page = _positive_int(page_block_size, "page_block_size")
-    if not isinstance(latent, torch.Tensor) or not latent.dtype.is_floating_point:
-        raise ValueError(f"latent must be a floating-point torch.Tensor, got "
-                         f"{getattr(latent, 'dtype', type(latent).__name__)}")
-    if latent.dim() not in (2, 3) or latent.shape[-1] != fmt.d_qk:
-        raise ValueError(f"latent of shape {list(latent.shape)}: a {fmt.name} latent is [num_tokens, {fmt.d_qk}] or "
-                         f"[num_blocks, P, {fmt.d_qk}] ({fmt.nope_dims} nope + {fmt.rope_dims} rope dims)")
+    check_latent(latent, fmt, dims=(2, 3))
     if latent.dim() == 3 and latent.shape[1] != page:
         raise ValueError(f"latent of shape {list(latent.shape)} has blocks of {latent.shape[1]} tokens, "
                          f"page_block_size is {page}")
-    if latent.shape[0] == 0:
-        raise ValueError(f"latent of shape {list(latent.shape)} holds no token")
-    if writer is not None and writer not in WRITERS[fmt.name]:
-        raise ValueError(f"writer must be one of {writers(fmt.name)} for {fmt.name}, got {writer!r}")
+    check_pack_options(fmt, writer, block_stride, row_stride, fill)  # before the latent is padded
     check_non_finite(latent, fmt.name, writer)  # here, to name the element by the latent's own index
     if latent.dim() == 2:
         num_blocks = -(-latent.shape[0] // page)

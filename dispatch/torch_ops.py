@@ -3,6 +3,14 @@
 Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so
 ``torch.compile(fullgraph=True)`` traces a model that calls it without a graph break.
 Importing ``dispatch`` registers it.
+
+torch checks each argument against the op's schema before the implementation runs: an
+argument of another kind (a string or a tensor for ``sm_scale``, a number for ``kv_format``)
+is refused there, by torch (a RuntimeError naming the argument; an int past int64 an
+OverflowError). ``sm_scale`` is a ``Scalar`` (``int | float | bool``): torch hands it over as
+given, so that a bool is refused by the library's rule (``decode_inputs.scale_log2``) instead
+of being converted to 1.0 (as a ``float`` schema would, and a 0-d tensor to its value: a read
+back to the host).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ def sparse_mla_decode_op(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     indices: torch.Tensor,
-    sm_scale: float,
+    sm_scale: int | float | bool,  # torch's Scalar: passed on as given (the module doc)
     topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
     extra_kv_cache: torch.Tensor | None = None,

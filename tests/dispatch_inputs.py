@@ -7,6 +7,7 @@ import torch
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8, V41_FP8, V41_NVFP4
 from dispatch.policy.call_metadata import DecodeMetadata
 from dispatch.policy.registry import SM120_SMEM_PER_SM
+from dispatch.runtime.decode_inputs import byte_span
 from dispatch.runtime.plan import DecodePlan
 from dispatch.tools.sample_inputs import make_cache, make_indices
 
@@ -68,8 +69,13 @@ def _cpu_plan(monkeypatch, precision="f16", **kwargs):
 
 
 def _misaligned(t: torch.Tensor, offset_bytes: int) -> torch.Tensor:
-    """A view of ``t``'s shape and strides whose address is ``offset_bytes`` past an aligned one."""
-    step = offset_bytes // t.element_size()
-    buf = torch.zeros(t.numel() + 512 // t.element_size(), dtype=t.dtype)
-    start = (-buf.data_ptr() % 256) // t.element_size() + step
-    return torch.as_strided(buf, t.shape, t.stride(), start)
+    """``t``'s values in a view of its shape and strides whose address is ``offset_bytes`` past
+    a 256-byte boundary: any byte, even inside an element (the view is over a Python buffer,
+    which torch reads as any dtype at any address)."""
+    span = byte_span(t)
+    buffer = bytearray(span + 256)
+    start = -torch.frombuffer(buffer, dtype=torch.uint8).data_ptr() % 256 + offset_bytes
+    view = torch.as_strided(torch.frombuffer(buffer, dtype=t.dtype, count=span // t.element_size(), offset=start),
+                            t.shape, t.stride())
+    view.copy_(t)
+    return view

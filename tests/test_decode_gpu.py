@@ -417,3 +417,32 @@ def test_out_rows_only_8_byte_aligned(kv_format, num_splits):
     assert torch.isnan(wide[..., 512:]).all(), f"[seed {seed}] a store past a row's 512 elements"
     check_case(case, "f16", seed, [(out.clone(), lse.clone())], q, cache, idx, kw,
                f"f16 out rows 516 apart splits={num_splits}")
+
+
+def test_a_merged_call_takes_at_most_65535_heads():
+    """The merge kernel's grid puts the heads in its y, which CUDA limits to 65,535. A call of
+    two cache formats (DeepSeek-V4's FP8 main and NVFP4 extra cache: a partial kernel per list,
+    then the merge) with 65,535 heads runs and matches the float64 reference; with 65,536 heads
+    it is refused before any launch, naming the limit, and its out is left untouched; so is a
+    split forced on a call of one format."""
+    from dispatch import InvalidDecodeInput
+
+    device = torch.device("cuda")
+    refused = "past CUDA's limit of 65,535 on a grid's y: a call that merges"
+    for heads in (65535, 65536):
+        case = Case(T=1, H=heads, topk=128, extra_topk=64, sink="finite", lengths="random",
+                    extra_kv_format="model1_nvfp4")
+        seed = seed_for(f"merge grid {case}")
+        q, cache, idx, kw = build_inputs(case, device, seed)
+        if heads <= 65535:
+            outs = run_twice(case, q, idx, lambda q, idx, out, lse: sparse_mla_decode(q, cache, idx, out=out, lse=lse,
+                                                                                       **kw), seed)
+            check_case(case, "f16", seed, outs, q, cache, idx, kw, f"f16 {heads} heads, two formats")
+            continue
+        out = torch.full((1, heads, 512), math.nan, dtype=torch.bfloat16, device=device)
+        with pytest.raises(InvalidDecodeInput, match=f"q of shape \\[1, {heads}, 512\\]: .*{refused}"):
+            sparse_mla_decode(q, cache, idx, out=out, **kw)
+        with pytest.raises(InvalidDecodeInput, match=f"q of shape \\[1, {heads}, 512\\]: .*{refused}"):
+            plan_sparse_mla_decode(q, cache, idx, out=out, overrides=PlanOverrides(num_splits=2))
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all(), f"[seed {seed}] a refused call wrote out"

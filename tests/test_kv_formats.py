@@ -1,5 +1,6 @@
 """The public ``dispatch.kv_formats`` module (CPU): its formats and their widths, ``pack`` and
-``unpack`` round trips and refusals, and the Inf encoding of FlashInfer's V4.1 writers."""
+``unpack`` round trips and refusals (``pack_latent`` refusing the same by one rule), and the
+Inf encoding of FlashInfer's V4.1 writers."""
 
 import math
 import re
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode.cache_view import read_cache_view
+from cute_kernels.sparse_mla_decode.cache_writers import pack_latent
 from cute_kernels.sparse_mla_decode.e2m1 import e2m1_decode
 from cute_kernels.sparse_mla_decode.kv_format import (
     EXTRA_FORMATS, FORMATS, GLM_NOPE_FP8, MODEL1_FP8, V32_FP8,
@@ -138,3 +140,53 @@ def test_pack_encodes_inf_as_flashinfers_v41_writers_do(kv_format):
     assert torch.isfinite(back[rest]).all()
     assert torch.equal(back[rest], kv_formats.unpack(kv_formats.pack(latent.nan_to_num(posinf=0.0), kv_format, 16),
                                                      kv_format).reshape(-1, fmt.d_qk)[rest])
+
+
+# options neither packer takes: (kv_format, option, value, what the refusal says)
+_BAD_OPTIONS = [
+    ("model1_fp8", "block_stride", 37376.0, "block_stride must be None (the format's default) or a positive int "
+                                            "(bytes), got 37376.0 (float)"),
+    ("model1_fp8", "block_stride", "37376", "block_stride must be None (the format's default) or a positive int "
+                                            "(bytes), got '37376' (str)"),
+    ("model1_fp8", "block_stride", True, "block_stride must be None (the format's default) or a positive int (bytes), "
+                                         "got True (bool)"),
+    ("model1_fp8", "block_stride", 0, "got 0 (int)"),
+    ("glm_nope_fp8", "row_stride", 0, "row_stride must be None (the format's default) or a positive int (bytes), got "
+                                      "0 (int)"),
+    ("glm_nope_fp8", "row_stride", "656", "row_stride must be None (the format's default) or a positive int (bytes), "
+                                          "got '656' (str)"),
+    ("glm_nope_fp8", "row_stride", 656.0, "got 656.0 (float)"),
+    ("glm_nope_fp8", "row_stride", torch.tensor(656), "row_stride must be None (the format's default) or a positive "
+                                                      "int (bytes), got tensor(656) (Tensor)"),
+    ("model1_fp8", "fill", True, "fill must be an int in [0, 255] (the byte written where no data is), got True"),
+    ("model1_fp8", "writer", ["vllm"], "writer must be one of ('vllm', 'flashmla') for model1_fp8, got ['vllm']"),
+    ("model1_fp8", "writer", "", "writer must be one of ('vllm', 'flashmla') for model1_fp8, got ''"),
+]
+# latents neither packer takes: (latent, what the refusal says)
+_BAD_LATENTS = [
+    (torch.zeros(1, 16, 512, dtype=torch.int32), "latent must be a floating-point torch.Tensor, got torch.int32"),
+    (torch.zeros(0, 16, 512), "latent of shape [0, 16, 512] holds no token"),
+    (torch.zeros(1, 16, 512).to_sparse(), "latent is a sparse tensor (layout torch.sparse_coo)"),
+    ([[0.0] * 512] * 16, "latent must be a floating-point torch.Tensor, got list"),
+]
+_PACKERS = {"pack": lambda latent, kv_format, **kw: kv_formats.pack(latent, kv_format, 16, **kw),
+            "pack_latent": lambda latent, kv_format, **kw: pack_latent(latent, kv_format, **kw)}
+
+
+@pytest.mark.parametrize("packer", sorted(_PACKERS))
+@pytest.mark.parametrize("kv_format,option,value,message", _BAD_OPTIONS)
+def test_both_packers_refuse_an_option_by_one_rule(packer, kv_format, option, value, message):
+    """``pack`` and ``pack_latent`` refuse the same options with the same words
+    (``check_pack_options``): a byte count is a positive int, never a float, a string, a bool
+    or a tensor converted; 0 is no row stride (not "the default")."""
+    latent = torch.randn(2, 16, FORMATS[kv_format].d_qk)
+    with pytest.raises(ValueError) as info:
+        _PACKERS[packer](latent, kv_format, **{option: value})
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("packer", sorted(_PACKERS))
+@pytest.mark.parametrize("latent,message", _BAD_LATENTS, ids=["integer", "empty", "sparse", "list"])
+def test_both_packers_refuse_a_latent_by_one_rule(packer, latent, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _PACKERS[packer](latent, "model1_fp8")

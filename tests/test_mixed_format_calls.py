@@ -21,7 +21,7 @@ from dispatch.policy.precision import format_precisions
 from dispatch.policy.variant_space import variant_space, variants_for
 from dispatch.runtime.plan import DecodePlan
 from dispatch.tools.sample_inputs import make_cache, make_indices
-from tests.dispatch_inputs import MODEL1, NVFP4_CACHE, _EXTRA_IDX, _cpu_plan, _inputs, _md
+from tests.dispatch_inputs import MODEL1, NVFP4_CACHE, _EXTRA_IDX, _cpu_plan, _inputs, _md, _stub_kernels
 
 
 # the models' main + extra pairings of two formats (EXTRA_FORMATS), main first
@@ -234,3 +234,84 @@ def test_overrides_num_splits_is_refused_for_a_mixed_call(monkeypatch):
                          overrides=PlanOverrides(head_groups=2, num_stages=2))
     assert sel.head_groups == sel.extra.head_groups == 2
     assert [(v.config.head_groups, v.config.stages) for v in sel.variants[:2]] == [(2, 2), (2, 2)], sel.variants
+
+
+_TARGET = ("sm_120a", 188, SM120_SMEM_PER_SM)
+
+
+@pytest.mark.parametrize("heads", [65535, 65536])
+def test_a_call_that_merges_takes_at_most_65535_heads(monkeypatch, heads):
+    """The merge kernel's grid puts the heads in its y, which CUDA limits to 65,535: a call of
+    two formats, or one split by ``PlanOverrides``, plans with 65,535 heads and is refused with
+    65,536 before any kernel is loaded, naming q's shape and the limit (the two formats' call
+    by the validation, the forced split by the plan); a call of one format the dispatch does
+    not split launches no merge and is served with either."""
+    from dispatch.api import validate_call
+    from dispatch.runtime import loader
+
+    _stub_kernels(monkeypatch)
+    loaded = []
+    monkeypatch.setattr(loader, "get_compiled", loaded.append)
+    base = _inputs(T=1)
+    q = torch.empty(1, heads, 512, dtype=torch.bfloat16)
+    merged = {"two formats": (dict(extra_kv_cache=NVFP4_CACHE, extra_indices=torch.zeros(1, 64, dtype=torch.int32)),
+                              None),
+              "a forced split": ({}, PlanOverrides(num_splits=2))}
+    for what, (kw, overrides) in merged.items():
+        loaded.clear()
+        if heads <= 65535:
+            plan = DecodePlan(validate_call(q, base["kv_cache"], base["indices"], _target=_TARGET, **kw), overrides)
+            assert plan.variants[-1].kind == "merge" and len(loaded) == len(plan.variants), what
+            continue
+        message = (f"q of shape [1, {heads}, 512]: the merge kernel's grid would be (1, {heads}, 1), its y the "
+                   f"call's heads ({heads:,}), past CUDA's limit of 65,535 on a grid's y")
+        with pytest.raises(InvalidDecodeInput, match=re.escape(message)):
+            DecodePlan(validate_call(q, base["kv_cache"], base["indices"], _target=_TARGET, **kw), overrides)
+        assert not loaded, what
+    plan = DecodePlan(validate_call(q, base["kv_cache"], base["indices"], _target=_TARGET))
+    assert plan.final and [v.kind for v in plan.variants] == ["partial"]
+
+
+def _launch_expressions() -> tuple[str, str, str]:
+    """The kernels' own launch code: PartialKernel._launch's head blocks and grid, and
+    MergeKernel._launch's grid, as written in their source."""
+    from pathlib import Path
+
+    import cute_kernels
+
+    source = Path(cute_kernels.__file__).parent / "sparse_mla_decode"
+    partial, merge = (source / "partial.py").read_text(), (source / "merge.py").read_text()
+    head_blocks = re.search(r"\n\s+head_blocks = (.+)\n", partial).group(1)
+    return head_blocks, re.search(r"grid=(\(.+?\)),", partial).group(1), re.search(r"grid=(\(.+?\)),", merge).group(1)
+
+
+@pytest.mark.parametrize("kv_format,extra_format,T,H", [(MODEL1, MODEL1, 3, 40), (MODEL1, MODEL1_NVFP4.name, 2, 20),
+                                                        (MODEL1_NVFP4.name, MODEL1, 1, 128)])
+def test_the_grids_checked_are_those_the_kernels_launch(monkeypatch, kv_format, extra_format, T, H):
+    """``plan.launch_grids`` (what the GPU's limits are checked on) is what each kernel's
+    launch code computes from the plan's arguments: the grid expressions of
+    ``PartialKernel._launch`` and ``MergeKernel._launch``, read from their source and evaluated
+    on every launch of a plan."""
+    import types
+
+    from dispatch.runtime.plan import launch_grids
+
+    head_blocks, partial_grid, merge_grid = _launch_expressions()
+    assert (head_blocks, partial_grid, merge_grid) == ("(p.num_heads + self.hb - 1) // self.hb",
+                                                       "(p.num_tokens * head_blocks, p.launch_splits, 1)",
+                                                       "(p.num_tokens, p.num_heads, 1)")
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(T, H, 512, generator=gen).to(torch.bfloat16)
+    idx = make_indices(T, 2048, 256, device="cpu", gen=gen)  # long lists: split, so a merge is launched
+    plan, call = _cpu_plan(monkeypatch, q=q, indices=idx, kv_cache=_mixed_caches(kv_format, extra_format, gen)[0],
+                           kv_format=kv_format, extra_kv_cache=_mixed_caches(extra_format, extra_format, gen)[1],
+                           extra_indices=make_indices(T, 1024, 256, device="cpu", gen=gen))
+    grids = launch_grids(call.selection, T, H)
+    schemas = (PARTIAL_ARGS,) * (len(plan.variants) - 1) + (MERGE_ARGS,)
+    assert plan.variants[-1].kind == "merge" and [v for v, _ in grids] == list(plan.variants)
+    for (variant, grid), schema, args in zip(grids, schemas, plan._args):
+        p = types.SimpleNamespace(**{a.name: v for a, v in zip(schema, args)})
+        scope = {"p": p, "self": types.SimpleNamespace(hb=getattr(variant.config, "heads_per_cta", None))}
+        if variant.kind == "partial":
+            scope["head_blocks"] = eval(head_blocks, scope)
+        assert eval(partial_grid if variant.kind == "partial" else merge_grid, scope) == grid, variant.name

@@ -79,8 +79,8 @@ def test_plan_run_refuses_a_misaligned_tensor(monkeypatch):
         tensors[name] = _misaligned(tensors[name], offset)
         assert tensors[name].stride() == getattr(t, name).stride()
         for caller in ("run", "bind"):
-            with pytest.raises(ValueError, match=rf"DecodePlan.{caller}: {name} starts at address 0x[0-9a-f]+, "
-                                                 rf"not {align}-byte aligned"):
+            with pytest.raises(ValueError, match=rf"DecodePlan.{caller}: {name} data pointer must be {align}-byte "
+                                                 rf"aligned \(the kernels' loads assume it\), got 0x[0-9a-f]+"):
                 getattr(plan, caller)(tensors["q"], t.kv_cache, t.indices, out=tensors["out"], lse=t.lse,
                                       scratch=kw["scratch"])
 
@@ -114,3 +114,48 @@ def test_kernel_params_take_the_schema_and_at_most_the_stream():
     for count in (n + 1, n - 2):
         with pytest.raises(ValueError, match=f"{n - 1} kernel arguments expected"):
             KernelParams(MERGE_ARGS, list(range(count)))
+
+
+def test_validation_checks_the_alignment_the_plan_binds(monkeypatch):
+    """Every tensor's alignment that ``validate_call`` checks (``POINTER_ALIGN``, from the kernel
+    schemas) is the one the plan checks on every run (from the pointer arguments it binds), for
+    a call with every optional input: the one-shot call never meets an address its validation
+    passed and the plan refuses."""
+    from dispatch.runtime.decode_inputs import POINTER_ALIGN
+    from tests.dispatch_inputs import NVFP4_CACHE
+
+    for extra_cache in (make_cache(2, 64, device="cpu"), NVFP4_CACHE):  # one format, and two
+        plan, _ = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, dtype=torch.int32), attn_sink=torch.zeros(16),
+                            extra_kv_cache=extra_cache, extra_indices=torch.zeros(2, 64, dtype=torch.int32),
+                            extra_topk_length=torch.zeros(2, dtype=torch.int32))
+        assert dict(zip(DecodeTensors._fields, plan._aligns)) == POINTER_ALIGN
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_plan_run_refuses_a_sparse_tensor_by_name(monkeypatch):
+    """A sparse tensor (COO strides read as 0, CSR has none, neither has a data pointer) is
+    refused as such, not as a torch error on its strides or address."""
+    plan, call = _cpu_plan(monkeypatch, attn_sink=torch.zeros(16))
+    t = call.tensors
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8)
+    for name, sparse in (("attn_sink", t.attn_sink.to_sparse()), ("lse", t.lse.to_sparse_csr()),
+                         ("q", t.q.to_sparse())):
+        given = {**t._asdict(), name: sparse}
+        with pytest.raises(ValueError, match=rf"DecodePlan.run: {name} is a sparse tensor \(layout torch.sparse_"):
+            plan.run(given.pop("q"), given.pop("kv_cache"), given.pop("indices"), scratch=scratch, **given)
+
+
+def test_a_plan_refuses_an_int32_argument_it_cannot_pack(monkeypatch):
+    """The launcher packs an "i32" argument into a C int32 slot (its low 32 bits): a value
+    outside int32 is refused by name (``plan.int32_problem``), checked on every plan."""
+    from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS
+    from dispatch.runtime.plan import int32_problem
+
+    plan, _ = _cpu_plan(monkeypatch)
+    schemas = (PARTIAL_ARGS, MERGE_ARGS)[:len(plan.variants)]
+    assert int32_problem(schemas, plan._args) is None
+    position = [a.name for a in PARTIAL_ARGS].index("main_topk")
+    for value in (2**31, -2**31 - 1):
+        args = [list(plan._args[0])] + plan._args[1:]
+        args[0][position] = value
+        assert int32_problem(schemas, args) == f"the kernels' int32 argument main_topk would be {value:,}, outside int32"

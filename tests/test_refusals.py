@@ -1,7 +1,8 @@
 """Refusals outside the table of ``docs/api.md`` (which ``tests/test_validation.py`` raises row by
 row): the float32 class of ``sm_scale``, the overlap of outputs with other tensors as the
-plans check it on every launch, ``overrides`` of the wrong type, and the commands' refusals on
-a machine without a GPU (CPU)."""
+plans check it on every launch, the rule an output's own elements follow, the scalar types,
+the caller's argument names, ``overrides`` of the wrong type, and the commands' refusals on a
+machine without a GPU (CPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import MODEL1_FP8
 from dispatch import InvalidDecodeInput, PlanOverrides, plan_sparse_mla_decode
-from dispatch.runtime.decode_inputs import FLT_MIN, DecodeTensors, byte_span, overlapping_output, scale_log2
+from dispatch.runtime.decode_inputs import (
+    FLT_MIN, DecodeTensors, byte_span, caller_names, overlapping_output, scalar_problem, scale_log2,
+    self_overlap_problem,
+)
 from dispatch.tools.sample_inputs import make_cache, make_indices
 
 LOG2_E = 1.4426950408889634
@@ -21,7 +25,8 @@ LOG2_E = 1.4426950408889634
 
 @pytest.mark.parametrize("sm_scale,ok", [(0.0442, True), (0.0, True), (-0.5, True), (1e30, True),
                                          (3e38, False), (1e300, False), (1e-38, True), (5e-39, False), (1e-50, False),
-                                         (math.inf, False), (math.nan, False), (True, False), ("0.1", False)])
+                                         (math.inf, False), (math.nan, False), (True, False), ("0.1", False),
+                                         (2, True), (10**400, False), (-(2**1100), False), (0.1j, False)])
 def test_scale_log2_takes_what_the_kernels_float32_holds(sm_scale, ok):
     """0, or a normal float32 once times log2(e): a value finite in Python can be inf (3e38 x
     1.44 > FLT_MAX), 0 or subnormal (below FLT_MIN) as the kernels' float32."""
@@ -29,6 +34,55 @@ def test_scale_log2_takes_what_the_kernels_float32_holds(sm_scale, ok):
     assert (value is not None) == ok
     if ok:
         assert value == sm_scale * LOG2_E and (value == 0 or abs(value) >= FLT_MIN)
+
+
+@pytest.mark.parametrize("shape,strides,overlaps", [
+    ((2, 16, 512), (8192, 512, 1), False),  # contiguous
+    ((2, 16, 512), (8704, 516, 1), False),  # padded rows
+    ((2, 16, 512), (512, 1024, 1), False),  # heads outermost
+    ((2, 1, 512), (512, 0, 1), False),  # a stride of 0 over one element steps nowhere
+    ((2, 16, 512), (8192, 508, 1), True),  # rows closer than their 512 elements
+    ((2, 16, 512), (8000, 512, 1), True),  # tokens closer than their 16 rows
+    ((2, 16, 512), (0, 512, 1), True),  # every token on one
+    ((3, 2), (2, 3), True),  # disjoint elements, interleaved: not a layout any kernel writes
+    ((2, 16), (1, 1), True),
+    ((2, 16), (1, 2), False),  # tokens interleaved in steps of one, heads of two: nested
+])
+def test_an_output_s_elements_each_have_an_address_of_their_own(shape, strides, overlaps):
+    """The rule ``validate_call`` applies to out and lse: sorted by stride, each dimension's
+    stride at least the span of those inside it (a stride of 0 over more than one element
+    worded on its own)."""
+    t = torch.as_strided(torch.empty(20000), shape, strides)
+    problem = self_overlap_problem(t, "out")
+    assert (problem is not None) == overlaps, problem
+    if overlaps and 0 in [s for n, s in zip(shape, strides) if n > 1]:
+        assert problem.startswith("out has a stride of 0")
+    elif overlaps:
+        assert problem.startswith(f"out of shape {list(shape)} and strides {list(strides)} overlaps itself")
+
+
+@pytest.mark.parametrize("value,kind,refused", [
+    (3, "int", None), (True, "int", "must be a Python int, got True (bool)"), (3.0, "int", "got 3.0 (float)"),
+    ("3", "int", "got '3' (str)"), (torch.tensor(3), "int", "got a Tensor"), (0.5, "number", None), (2, "number", None),
+    (False, "number", "must be a real Python number (int or float), got False (bool)"), ("0.5", "number", "got '0.5'"),
+    (True, "flag", None), ("False", "flag", "must be True or False, got 'False' (str)"), (1, "flag", "got 1 (int)"),
+])
+def test_a_scalar_is_of_exactly_its_documented_type(value, kind, refused):
+    """``scalar_problem``, the rule an adapter's scalars follow: a bool is no number, a float
+    no int, a string or a tensor neither, and a flag is a bool (a truthy string is refused)."""
+    problem = scalar_problem(value, "arg", kind)
+    assert (problem is None) == (refused is None), problem
+    if refused:
+        assert problem.startswith("arg must be ") and refused in problem
+
+
+def test_caller_names_map_only_the_decodes_arguments():
+    names = caller_names({"q": "query", "sm_scale": "bmm1_scale"})
+    assert (names["q"], names["sm_scale"], names["indices"]) == ("query", "bmm1_scale", "indices")
+    assert caller_names(names) is names and caller_names(None)["lse"] == "lse"
+    for bad in ({"query": "q"}, {"q": 0}, {"kv_format": "kv_cache_format"}):
+        with pytest.raises(TypeError, match="names must map arguments of the decode"):
+            caller_names(bad)
 
 
 def test_byte_span():

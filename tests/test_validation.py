@@ -13,7 +13,7 @@ from dispatch.policy.call_metadata import GENERIC_MODEL_TYPE
 from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.dispatch_inputs import (
     GLM_CACHE, GLM_POOL_CACHE, NVFP4_CACHE, V32_CACHE, V41_CACHE, V41_NVFP4_CACHE, _BATCHED, _EXTRA_IDX, _STRIDED_ROWS,
-    _inputs,
+    _inputs, _misaligned,
 )
 
 
@@ -165,6 +165,25 @@ BAD = [
     ("out stride 0", {}, dict(out=torch.empty(1, 16, 512, dtype=torch.bfloat16).expand(2, 16, 512)),
      "out has a stride of 0"),
     ("lse stride 0", {}, dict(lse=torch.empty(2, 1).expand(2, 16)), "lse has a stride of 0"),
+    ("out heads overlap", {}, dict(out=torch.empty(2 * 16 * 512, dtype=torch.bfloat16).as_strided((2, 16, 512),
+                                                                                                  (8192, 256, 1))),
+     "out of shape [2, 16, 512] and strides [8192, 256, 1] overlaps itself"),
+    ("lse tokens overlap", {}, dict(lse=torch.empty(17).as_strided((2, 16), (1, 1))),
+     "lse of shape [2, 16] and strides [1, 1] overlaps itself"),
+    ("indices misaligned", dict(indices=_misaligned(torch.zeros(2, 128, dtype=torch.int32), 2)), {},
+     "indices data pointer must be 4-byte aligned"),
+    ("length misaligned", {}, dict(topk_length=_misaligned(torch.zeros(2, dtype=torch.int32), 1)),
+     "topk_length data pointer must be 4-byte aligned"),
+    ("sink misaligned", {}, dict(attn_sink=_misaligned(torch.zeros(16), 3)), "attn_sink data pointer must be 4-byte aligned"),
+    ("lse misaligned", {}, dict(lse=_misaligned(torch.zeros(2, 16), 2)), "lse data pointer must be 4-byte aligned"),
+    ("q sparse", dict(q=torch.randn(2, 16, 512).to(torch.bfloat16).to_sparse()), {},
+     "q is a sparse tensor (layout torch.sparse_coo): the kernels read dense (strided) memory"),
+    ("sink sparse", {}, dict(attn_sink=torch.zeros(16).to_sparse()), "attn_sink is a sparse tensor"),
+    ("extra cache float16", {}, dict(extra_kv_cache=torch.zeros(2, 64, 1, 292, dtype=torch.float16),
+                                     extra_indices=_EXTRA_IDX),
+     "extra_kv_cache must be uint8 or float8_e4m3fn, got float16"),
+    ("sm_scale bool", {}, dict(sm_scale=True), "sm_scale must be a real Python number"),
+    ("sm_scale int past float range", {}, dict(sm_scale=10**400), "sm_scale must be a real Python number"),
     ("out dtype", {}, dict(out=torch.empty(2, 16, 512)), "out must be bfloat16"),
     ("out shape", {}, dict(out=torch.empty(2, 16, 448, dtype=torch.bfloat16)), "out has shape [2, 16, 448]"),
     ("out width on V3.2", V32, dict(out=torch.empty(2, 16, 576, dtype=torch.bfloat16)),
@@ -184,6 +203,18 @@ BAD = [
 ]
 
 
+# refusals of a call whose launch the GPU cannot make: valid but for that, so raised here with
+# the CPU planning aid (``validate_call``'s ``_target``) instead of the device check
+PAST_THE_GPU = [
+    ("heads past the merge grid",
+     lambda: dict(q=torch.empty(1, 65536, 512, dtype=torch.bfloat16), indices=torch.zeros(1, 128, dtype=torch.int32),
+                  extra_kv_cache=NVFP4_CACHE, extra_indices=torch.zeros(1, 64, dtype=torch.int32)),
+     "q of shape [1, 65536, 512]: the merge kernel's grid would be (1, 65536, 1), its y the call's heads (65,536), "
+     "past CUDA's limit of 65,535 on a grid's y: a call that merges (two cache formats, or more than one split) "
+     "takes at most 65,535 heads"),
+]
+
+
 @pytest.mark.parametrize("name,overrides,kwargs,message", BAD, ids=[b[0] for b in BAD])
 def test_invalid_input_is_refused_with_the_call_shape(name, overrides, kwargs, message):
     with pytest.raises(InvalidDecodeInput) as info:
@@ -194,6 +225,19 @@ def test_invalid_input_is_refused_with_the_call_shape(name, overrides, kwargs, m
     for field in ("num_tokens=", "num_heads=", "topk=", "d_qk=", "page_block_size=", "extra_topk="):
         assert field in text
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("name,make,message", PAST_THE_GPU, ids=[b[0] for b in PAST_THE_GPU])
+def test_a_launch_past_the_gpus_limits_is_refused_with_the_call_shape(name, make, message):
+    from dispatch import validate_call
+    from dispatch.policy.registry import SM120_SMEM_PER_SM
+
+    inputs = _inputs()
+    inputs.update(make())
+    with pytest.raises(InvalidDecodeInput) as info:
+        validate_call(**inputs, _target=("sm_120a", 188, SM120_SMEM_PER_SM))
+    assert info.value.problem == message
+    assert str(info.value).startswith(MODEL1_FP8.model_type + ": num_tokens=")
 
 
 def test_message_names_the_actual_shape():
@@ -212,7 +256,7 @@ def test_docs_table_lists_every_refusal():
     text = text[:text.index("\n#", 1)]  # that section alone
     rows = [ln for ln in text.splitlines() if ln.startswith("| `") and ln.count("|") == 4]
     table = {ln.split("|")[2].strip(): ln.split("|")[3].strip().strip("`") for ln in rows}
-    assert table == {name: message for name, _, _, message in BAD}
+    assert table == {row[0]: row[-1] for row in BAD + PAST_THE_GPU}
 
 
 def test_a_plan_of_no_token_is_refused():

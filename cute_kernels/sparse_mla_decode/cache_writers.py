@@ -177,12 +177,56 @@ def check_non_finite(latent: torch.Tensor, kv_format: str, writer: str | None = 
                      f"FlashInfer's V4.1 writers have one: writer='flashinfer' of the v41 formats")
 
 
-def check_pack_options(fmt: KvFormat, row_stride, fill) -> None:
+def _is_int(value) -> bool:
+    """A Python int and not a bool: what every packer option that counts bytes must be (a
+    float, a string or a tensor is refused, never converted)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# the latents a packer takes, by their dimensions (d: the format's d_qk)
+_LATENT_FORMS = {2: "[num_tokens, {d}]", 3: "[num_blocks, P, {d}]"}
+
+
+def check_latent(latent, fmt: KvFormat, dims: tuple[int, ...] = (3,)) -> None:
+    """Raise ValueError for a latent the packers do not take: not a dense floating-point
+    tensor, not of ``dims`` dimensions (``_LATENT_FORMS``) and ``fmt``'s d_qk, or holding no
+    token."""
+    if not isinstance(latent, torch.Tensor) or not latent.dtype.is_floating_point:
+        raise ValueError(f"latent must be a floating-point torch.Tensor, got "
+                         f"{getattr(latent, 'dtype', type(latent).__name__)}")
+    if latent.layout is not torch.strided:
+        raise ValueError(f"latent is a sparse tensor (layout {latent.layout}): pack a dense one (latent.to_dense())")
+    if latent.dim() not in dims or latent.shape[-1] != fmt.d_qk:
+        forms = " or ".join(_LATENT_FORMS[n].format(d=fmt.d_qk) for n in dims)
+        raise ValueError(f"latent of shape {list(latent.shape)}: a {fmt.name} latent is {forms} "
+                         f"({fmt.nope_dims} nope + {fmt.rope_dims} rope dims)")
+    if latent.numel() == 0:
+        raise ValueError(f"latent of shape {list(latent.shape)} holds no token")
+
+
+def _writer_problem(fmt: KvFormat, writer) -> str | None:
+    """Why ``writer`` names none of ``fmt``'s writers (None: the default, or one of them)."""
+    if writer is None or (isinstance(writer, str) and writer in WRITERS[fmt.name]):
+        return None
+    return f"writer must be one of {tuple(WRITERS[fmt.name])} for {fmt.name}, got {writer!r}"
+
+
+def check_pack_options(fmt: KvFormat, writer, block_stride, row_stride, fill) -> None:
     """Raise ValueError for a packer option that is not a value it takes or does not apply to
-    ``fmt``: ``fill`` must be a byte (an int in [0, 255]); ``row_stride`` applies to the
-    formats with scales inline in the row (a footer format's rows are packed)."""
-    if isinstance(fill, bool) or not isinstance(fill, int) or not 0 <= fill <= 255:
+    ``fmt`` (one rule for ``pack_latent`` and ``dispatch.kv_formats.pack``): ``writer`` None
+    or one of ``fmt``'s (``WRITERS``); ``fill`` a byte (an int in [0, 255]); ``block_stride``
+    and ``row_stride`` None or a positive int (bytes; their other bounds depend on the block:
+    ``pack_latent``); ``row_stride`` only for the formats with scales inline in the row (a
+    footer format's rows are packed)."""
+    problem = _writer_problem(fmt, writer)
+    if problem is not None:
+        raise ValueError(problem)
+    if not _is_int(fill) or not 0 <= fill <= 255:
         raise ValueError(f"fill must be an int in [0, 255] (the byte written where no data is), got {fill!r}")
+    for name, value in (("block_stride", block_stride), ("row_stride", row_stride)):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"{name} must be None (the format's default) or a positive int (bytes), got {value!r} "
+                             f"({type(value).__name__})")
     if row_stride is not None and not fmt.inline:
         raise ValueError(f"row_stride applies to the formats with scales inline in the row "
                          f"({[name for name, f in FORMATS.items() if f.inline]}); {fmt.name}'s rows are packed, "
@@ -202,10 +246,11 @@ def quantize_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", writer:
     NaN or Inf in the nope dims: encoded as FlashInfer's V4.1 writers do, refused naming the
     element for every other writer (``check_non_finite``)."""
     fmt = get_format(kv_format)
+    problem = _writer_problem(fmt, writer)
+    if problem is not None:
+        raise ValueError(problem)
     recipes = WRITERS[fmt.name]
-    recipe = recipes[writer or next(iter(recipes))] if (writer or next(iter(recipes))) in recipes else None
-    if recipe is None:
-        raise ValueError(f"writer must be one of {sorted(recipes)} for {fmt.name}, got {writer!r}")
+    recipe = recipes[writer or next(iter(recipes))]
     if latent.shape[-1] != fmt.d_qk:
         raise ValueError(f"{fmt.name} latent rows must be {fmt.d_qk} wide, got {latent.shape[-1]}")
     check_non_finite(latent, fmt.name, writer)
@@ -246,19 +291,20 @@ def pack_latent(latent: torch.Tensor, kv_format: str = "model1_fp8", *, writer: 
     footer record are 0 whatever ``fill`` (its specification). Token t of block b is slot
     b * P + t, or for flat rows index b * R + t (R = block_stride / row_stride: the same
     where blocks are unpadded). The result is a uint8 view of a ``[num_blocks, block_stride]``
-    buffer on the latent's device. Refused (ValueError): a ``fill`` that is not a byte, a
-    ``row_stride`` for a footer format (``check_pack_options``), NaN or Inf in the nope dims
-    where the writer has no encoding of them (``check_non_finite``)."""
+    buffer on the latent's device. Refused (ValueError): a latent that is not a dense
+    floating-point ``[num_blocks, P, d_qk]`` tensor holding a token (``check_latent``), a
+    ``fill`` that is not a byte, a ``block_stride`` or ``row_stride`` that is not a positive
+    int, a ``row_stride`` for a footer format (``check_pack_options``), NaN or Inf in the
+    nope dims where the writer has no encoding of them (``check_non_finite``)."""
     fmt = get_format(kv_format)
-    if latent.dim() != 3 or latent.shape[-1] != fmt.d_qk:
-        raise ValueError(f"latent must be [num_blocks, P, {fmt.d_qk}] for {fmt.name}, got {list(latent.shape)}")
-    check_pack_options(fmt, row_stride, fill)
+    check_latent(latent, fmt)
+    check_pack_options(fmt, writer, block_stride, row_stride, fill)
     num_blocks, page, _ = latent.shape
-    pitch = fmt.bytes_per_token if not fmt.inline else (row_stride or fmt.row_pitches[0])
+    pitch = fmt.bytes_per_token if not fmt.inline else (fmt.row_pitches[0] if row_stride is None else row_stride)
     if fmt.inline and (pitch < fmt.row_bytes or pitch % ALIGN):
         raise ValueError(f"row_stride {pitch} must be a multiple of {ALIGN} and at least {fmt.row_bytes}")
     used = block_used_bytes(fmt, page, pitch)
-    stride = default_block_stride(fmt, page, pitch) if block_stride is None else int(block_stride)
+    stride = default_block_stride(fmt, page, pitch) if block_stride is None else block_stride
     if stride < used or stride % ALIGN != 0:
         raise ValueError(f"block_stride {stride} must be >= {used} (P={page} tokens of {fmt.name}) and a multiple "
                          f"of {ALIGN}")

@@ -7,16 +7,18 @@ is the order of every per-call value list the plan writes into the kernels' argu
 
 The rules here are shared by ``dispatch.api.validate_call`` (which refuses a call naming
 its shape) and the plan's per-call checks (``DecodePlan.run`` / ``bind`` and the plan
-cache's hit), so that each says the same thing of the same input.
+cache's hit), so that each says the same thing of the same input. Each refusal names an
+argument as the caller spells it (``CallerNames``: an adapter's ``query`` for ``q``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import reprlib
+from typing import Mapping, NamedTuple
 
 import torch
 
-from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E
+from cute_kernels.sparse_mla_decode.kernel_args import LOG2_E, MERGE_ARGS, PARTIAL_ARGS
 from cute_kernels.sparse_mla_decode.kv_format import FLT_MIN
 
 
@@ -47,6 +49,50 @@ OUT, LSE, ATTN_SINK = (DecodeTensors._fields.index(name) for name in ("out", "ls
 assert LSE == OUT + 1  # the outputs are one slice of the record: the one-shot call replaces them together
 
 
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # a C int32: the kernels' "i32" arguments, the slots an index names
+
+# per field, the kernels' pointer argument its address is passed as (``kernel_args``; a call of
+# two formats passes the extra list as its second launch's main list, of the same alignments)
+KERNEL_POINTER = dict(q="q", kv_cache="main_cache", indices="main_idx", topk_length="main_len", attn_sink="attn_sink",
+                      out="out", lse="lse", extra_kv_cache="extra_cache", extra_indices="extra_idx",
+                      extra_topk_length="extra_len")
+# per field, the byte alignment the kernels assume of its address (what every path checks)
+POINTER_ALIGN = {field: max(a.align for a in PARTIAL_ARGS + MERGE_ARGS if a.name == arg)
+                 for field, arg in KERNEL_POINTER.items()}
+assert tuple(POINTER_ALIGN) == DecodeTensors._fields
+
+# the arguments a refusal names: the tensors and the scale (``CallerNames`` maps them)
+ARGUMENT_NAMES = DecodeTensors._fields + ("sm_scale",)
+
+
+class CallerNames(dict):
+    """How a caller spells the decode's arguments: core name (``ARGUMENT_NAMES``) -> its own
+    name; an argument it does not map keeps the core name (``names["q"]`` is "q" in an
+    empty one). Every refusal of ``dispatch.api.validate_tensors`` names its arguments
+    through one, so that an adapter's user reads ``sparse_indices``, not ``indices``."""
+
+    __slots__ = ()
+
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+def caller_names(names: Mapping[str, str] | None) -> CallerNames:
+    """``names`` (None: the core names) as a ``CallerNames``; TypeError for a key that is no
+    argument of the decode or a name that is not a string (the adapter's mistake, not its
+    caller's)."""
+    if isinstance(names, CallerNames):
+        return names
+    names = dict(names or {})
+    unknown = sorted(set(names) - set(ARGUMENT_NAMES))
+    if unknown or not all(isinstance(v, str) for v in names.values()):
+        raise TypeError(f"names must map arguments of the decode {ARGUMENT_NAMES} to strings, got {names!r}")
+    return CallerNames(names)
+
+
+CORE_NAMES = CallerNames()
+
+
 def layout_signature(t):
     """What a plan fixes about a tensor: shape, strides, dtype and device (None for an absent
     input). ``plan_cache.layout_key`` is the same per tensor, inlined on its hot path."""
@@ -75,30 +121,99 @@ def overlapping_output(addresses, spans, present) -> tuple[str, str] | None:
     return None
 
 
-def overlap_problem(overlap: tuple[str, str]) -> str:
+def overlap_problem(overlap: tuple[str, str], names: CallerNames = CORE_NAMES) -> str:
     """The refusal of an ``overlapping_output`` finding, as every path words it."""
-    written, other = overlap
+    written, other = names[overlap[0]], names[overlap[1]]
     return (f"{written} overlaps {other} in memory; the kernels write {written} while they read the inputs: give "
             f"it memory of its own")
 
 
+def self_overlap_problem(t: torch.Tensor, name: str) -> str | None:
+    """Why the elements of an output ``t`` do not each have memory of their own (None when
+    they do): a stride of 0 over a dimension of more than one element, or dimensions that do
+    not nest. Sorted by stride, each dimension's stride must be at least the span of the
+    dimensions inside it (the elements they cover); then no two elements share an address.
+    A layout that interleaves disjoint elements (strides [2, 3] over [3, 2]) fails it too:
+    no kernel writes such an output."""
+    span = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride == 0:
+            return (f"{name} has a stride of 0 (strides {list(t.stride())}): many rows would be written to one "
+                    f"address; give every row memory of its own")
+        if stride < span:
+            return (f"{name} of shape {list(t.shape)} and strides {list(t.stride())} overlaps itself: its stride "
+                    f"{stride} is smaller than the {span} elements the dimensions inside it span, so two of its "
+                    f"elements would be written to one address; give every element memory of its own")
+        span += stride * (size - 1)
+    return None
+
+
+def misaligned_problem(t: torch.Tensor, name: str, align: int) -> str | None:
+    """Why ``t``'s address is not one the kernels may load as they do (``align`` bytes:
+    ``POINTER_ALIGN``), None when it is."""
+    address = t.data_ptr()
+    if address % align == 0:
+        return None
+    return f"{name} data pointer must be {align}-byte aligned (the kernels' loads assume it), got {address:#x}"
+
+
+def dense_problem(t: torch.Tensor, name: str) -> str | None:
+    """Why ``t`` is not a dense (strided) tensor the kernels can read by its address and
+    strides, None when it is: a sparse one (COO, CSR, ...) has no such memory."""
+    if t.layout is torch.strided:
+        return None
+    kind = "a sparse" if "sparse" in str(t.layout) else "not a dense"
+    return (f"{name} is {kind} tensor (layout {t.layout}): the kernels read dense (strided) memory; pass a dense "
+            f"tensor ({name}.to_dense())")
+
+
+def scalar_problem(value, name: str, kind: str) -> str | None:
+    """Why ``value`` is not a ``kind`` argument of exactly the documented type, None when it
+    is: "int" (a Python int, not a bool), "number" (an int or a float, not a bool) or "flag"
+    (a bool). Never coerced: a bool is no number, a float no int, a string or a tensor
+    neither (a tensor would be read back to the host: a synchronization)."""
+    if kind == "flag":
+        ok = isinstance(value, bool)
+        what = "True or False"
+    else:
+        ok = isinstance(value, (int, float) if kind == "number" else int) and not isinstance(value, bool)
+        what = "a Python int" if kind == "int" else "a real Python number (int or float)"
+    if ok:
+        return None
+    shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})"
+    return f"{name} must be {what}, got {shown}"
+
+
 FLT_MAX = 3.4028234663852886e38  # the largest finite float32
-# what an sm_scale must be, as every refusal of one says it (``scale_log2``)
-SCALE_RULE = ("sm_scale must be a real Python number whose product with log2(e) is 0 or a normal float32 (the "
-              "kernels' argument: finite, at least 1.2e-38 in magnitude)")
+
+
+# what an sm_scale must be, as every refusal of one says it (``scale_log2``), the argument's name first
+_SCALE_RULE = ("{} must be a real Python number whose product with log2(e) is 0 or a normal float32 (the kernels' "
+               "argument: finite, at least 1.2e-38 in magnitude)")
+SCALE_RULE = _SCALE_RULE.format("sm_scale")
+
+
+def scale_problem(sm_scale, name: str = "sm_scale") -> str:
+    """The refusal of an ``sm_scale`` that ``scale_log2`` does not take (``name``: as the
+    caller spells it), the value shown short (an int of 400 digits is refused too)."""
+    return f"{_SCALE_RULE.format(name)}, got {reprlib.repr(sm_scale)}"
 
 
 def scale_log2(sm_scale, default: float) -> float | None:
     """``sm_scale`` (None: ``default``) times log2(e), the kernels' float32 argument; None
     unless it is a real Python number (not a bool) whose product is 0 or a normal float32
     (an ``sm_scale`` finite as a Python float can still become inf, 0 or a subnormal as the
-    kernels' float32: 1e300, 1e-50), what ``validate_call`` accepts."""
+    kernels' float32: 1e300, 1e-50; an int can be past float64's range), what
+    ``validate_call`` accepts."""
     if sm_scale is None:
         sm_scale = default
     elif type(sm_scale) is not float:
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
             return None
-        sm_scale = float(sm_scale)
+        try:
+            sm_scale = float(sm_scale)
+        except OverflowError:  # an int past float64's range
+            return None
     value = sm_scale * LOG2_E
     if value != 0.0 and not FLT_MIN <= abs(value) <= FLT_MAX:  # NaN fails both comparisons
         return None

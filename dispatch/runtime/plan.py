@@ -18,6 +18,7 @@ overhead: ``docs/performance.md``).
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import threading
 
@@ -27,11 +28,13 @@ from cute_kernels.sparse_mla_decode.cache_view import page_division_magic
 from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS, argument_kinds
 from cute_kernels.sparse_mla_decode.kv_format import D_V
 
+from ..policy.call_metadata import InvalidDecodeInput
 from ..policy.selection import PlanOverrides, select_for_call
 from ..policy.variant_space import variant_space
 from . import loader
 from .decode_inputs import (
-    BIND_KEYS, SCALE_RULE, DecodeTensors, byte_span, layout_signature, overlap_problem, overlapping_output, scale_log2,
+    BIND_KEYS, INT32_MAX, INT32_MIN, DecodeTensors, byte_span, dense_problem, layout_signature,
+    misaligned_problem, overlap_problem, overlapping_output, scale_log2, scale_problem,
 )
 
 SCRATCH_ALIGN = 256
@@ -66,6 +69,56 @@ def _variant_space_set(arch: str) -> frozenset:
     return frozenset(variant_space(arch))
 
 
+# CUDA's limits on a grid's x, y and z (every compute capability this library builds for)
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+# per kernel: what each dimension of its grid counts (``launch_grids``), and the calls that launch it
+GRID_AXES = {"partial": ("tokens x head blocks", "splits", None), "merge": ("tokens", "heads", None)}
+LAUNCHED_BY = {"partial": "a call", "merge": "a call that merges (two cache formats, or more than one split)"}
+
+
+def launch_grids(selection, num_tokens: int, num_heads: int) -> list:
+    """(variant, grid) of each kernel ``selection`` (``select_kernels``) launches, in order:
+    the grids ``PartialKernel._launch`` (x: the tokens' head blocks, y: the launch's splits;
+    a call of two formats launches the main list's splits, then the extra list's) and
+    ``MergeKernel._launch`` (x: the tokens, y: the heads) compute from the plan's arguments
+    (``tests/test_mixed_format_calls.py`` holds the kernels' launch code to these expressions)."""
+    splits = [selection.split.num_splits] + ([selection.extra.split.num_splits] if selection.extra else [])
+    grids = []
+    for variant in selection.variants:
+        if variant.kind == "merge":
+            grids.append((variant, (num_tokens, num_heads, 1)))
+        else:
+            head_blocks = -(-num_heads // variant.config.heads_per_cta)
+            grids.append((variant, (num_tokens * head_blocks, splits[len(grids)], 1)))
+    return grids
+
+
+def launch_problem(selection, q_shape, q_name: str = "q") -> str | None:
+    """Why the GPU cannot launch what ``selection`` selects for a call whose q has shape
+    ``q_shape`` (``q_name``: as the caller spells it), None when it can: a grid dimension past
+    CUDA's limit (``GRID_LIMITS``). Checked where a call is validated (the dispatch's choice)
+    and planned (any overrides'), before any kernel is loaded."""
+    num_tokens, num_heads = math.prod(q_shape[:-2]), q_shape[-2]
+    for variant, grid in launch_grids(selection, num_tokens, num_heads):
+        for axis, (size, limit, counts) in enumerate(zip(grid, GRID_LIMITS, GRID_AXES[variant.kind])):
+            if size > limit:
+                where = "xyz"[axis]
+                return (f"{q_name} of shape {list(q_shape)}: the {variant.kind} kernel's grid would be {grid}, its "
+                        f"{where} the call's {counts} ({size:,}), past CUDA's limit of {limit:,} on a grid's {where}: "
+                        f"{LAUNCHED_BY[variant.kind]} takes at most {limit:,} {counts}")
+    return None
+
+
+def int32_problem(schemas, args) -> str | None:
+    """Why a kernel's "i32" argument would not hold its value (None: each does): the launcher
+    packs it into a C int32 slot, which would keep only its low 32 bits."""
+    for schema, values in zip(schemas, args):
+        for a, value in zip(schema, values):
+            if a.kind == "i32" and isinstance(value, int) and not INT32_MIN <= value <= INT32_MAX:
+                return f"the kernels' int32 argument {a.name} would be {value:,}, outside int32"
+    return None
+
+
 def check_in_variant_space(variants, arch: str, what: str) -> None:
     """Every variant a plan launches is one the variant space (and so the AOT build) has:
     the dispatch's policies (head groups, splits) must never select another."""
@@ -80,7 +133,10 @@ class DecodePlan:
     def __init__(self, call, overrides: PlanOverrides | None = None):
         """``call`` is a validated call (``dispatch.api.validate_call``); ``overrides`` forces
         choices the dispatch would make (``PlanOverrides``)."""
-        selection = select_for_call(call, overrides)
+        selection = call.selection if overrides is None else select_for_call(call, overrides)
+        problem = launch_problem(selection, call.tensors.q.shape)  # overrides may split
+        if problem is not None:  # before any kernel is loaded
+            raise InvalidDecodeInput(call.launch_metadata, problem)
         self.device_index = call.device_index
         self.device = call.tensors.q.device
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
@@ -115,6 +171,9 @@ class DecodePlan:
             schemas = (PARTIAL_ARGS, PARTIAL_ARGS, MERGE_ARGS)
             launches = [self._main_list_values(values), self._extra_list_values(values), values]
         self._args = [[vals[a.name] for a in schema] for schema, vals in zip(schemas, launches)]
+        problem = int32_problem(schemas, self._args)
+        if problem is not None:
+            raise InvalidDecodeInput(call.launch_metadata, problem)
         # per run() tensor, the byte alignment the kernels assume of its address (the schemas'
         # pointer arguments it is bound to), checked on every run and bind
         align = {}
@@ -215,6 +274,9 @@ class DecodePlan:
             return ValueError(f"DecodePlan.{caller}: {name} is required by this plan")
         if not isinstance(t, torch.Tensor):
             return ValueError(f"DecodePlan.{caller}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        problem = dense_problem(t, name)
+        if problem is not None:
+            return ValueError(f"DecodePlan.{caller}: {problem}")
         return ValueError(
             f"DecodePlan.{caller}: {name} has shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype} on "
             f"{t.device}; the plan was built for shape {list(expected[0])}, strides {list(expected[1])}, "
@@ -236,21 +298,20 @@ class DecodePlan:
                 continue
             try:
                 ok = t.dtype is sig[2] and t.device == sig[3] and t.stride() == sig[1] and t.shape == sig[0]
-            except AttributeError:  # None, or not a tensor
+                address = t.data_ptr()
+            except (AttributeError, RuntimeError):  # None, not a tensor, or one without strides or storage
                 ok = False
             if not ok:
                 raise self._layout_error(caller, name, t, sig)
-            address = t.data_ptr()
             if address % align:
-                raise ValueError(f"DecodePlan.{caller}: {name} starts at address {address:#x}, not {align}-byte "
-                                 f"aligned as the kernels assume (the planned tensor was)")
+                raise ValueError(f"DecodePlan.{caller}: {misaligned_problem(t, name, align)} (the planned one was)")
             values.append(address)
         overlap = self._overlap(values)
         if overlap is not None:
             raise ValueError(f"DecodePlan.{caller}: {overlap_problem(overlap)}")
         scale = scale_log2(sm_scale, self.default_sm_scale)
         if scale is None:
-            raise ValueError(f"DecodePlan.{caller}: {SCALE_RULE}, got {sm_scale!r}")
+            raise ValueError(f"DecodePlan.{caller}: {scale_problem(sm_scale)}")
         values.append(scale)
         scratch_ptr = 0
         if self.scratch_bytes:
@@ -300,7 +361,10 @@ class DecodePlan:
             if t is None:
                 values.append(0)
                 continue
-            address = t.data_ptr()
+            try:
+                address = t.data_ptr()
+            except RuntimeError:  # a sparse tensor whose key matched a dense one's (strides all 0)
+                return False
             if address % align:
                 return False
             values.append(address)
