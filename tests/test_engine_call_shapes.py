@@ -63,9 +63,9 @@ def test_flashinfer_mla_adapter_serves_the_vllm_v32_and_glm_calls():
     (dict(skip_softmax_threshold_scale_factor=1.0), "skip_softmax_threshold_scale_factor is not served"),
     (dict(uses_shared_paged_kv_idx=False), "separate K/V page indices"),
     (dict(bmm2_scale=2.0), "bmm2_scale must be 1.0"),
-    (dict(bmm1_scale=torch.tensor(0.1)), "bmm1_scale and bmm2_scale must be Python numbers: a tensor would be read"),
-    (dict(bmm1_scale="0.1"), "sm_scale must be a real Python number"),  # not converted: the API's rule refuses it
-    (dict(bmm1_scale=True), "sm_scale must be a real Python number"),
+    (dict(bmm1_scale=torch.tensor(0.1)), "bmm1_scale must be a real Python number, not a tensor: it would be read"),
+    (dict(bmm1_scale="0.1"), "bmm1_scale must be a real Python number"),  # not converted: the API's rule refuses it
+    (dict(bmm1_scale=True), "bmm1_scale must be a real Python number"),
     (dict(block_tables=torch.zeros(3, 1, 32, dtype=torch.int32)), "expected [3, 1, 64]"),
     (dict(sinks=[torch.zeros(16), torch.zeros(16)]), "got a list of 2"),
     (dict(lse=torch.empty(3, 16)), "lse was given without return_lse=True"),
@@ -77,7 +77,7 @@ def test_flashinfer_mla_adapter_serves_the_vllm_v32_and_glm_calls():
     (dict(seq_lens=torch.zeros(3, dtype=torch.int32), sparse_mla_top_k_lens=torch.zeros(3, dtype=torch.int32)),
      "seq_lens or sparse_mla_top_k_lens, not both"),
     (dict(query=torch.randn(3, 16, 576).to(torch.bfloat16)), "query must be [batch, seq_q, num_heads, 576]"),
-    (dict(query=torch.randn(3, 1, 16, 512).to(torch.bfloat16)), "q has QK width 512, expected d_qk = 576"),
+    (dict(query=torch.randn(3, 1, 16, 512).to(torch.bfloat16)), "query has QK width 512, expected d_qk = 576"),
     (dict(kv_cache=torch.zeros(4, 1, 64, 584, dtype=torch.uint8)), "expected [num_blocks, P, 1, 656]"),
 ])
 def test_flashinfer_mla_adapter_refuses_what_it_does_not_serve(overrides, message):
@@ -126,10 +126,10 @@ def _vllm_dsv4_call(**overrides):
     ({}, "the kernels run on CUDA devices only"),
     (dict(num_valid_heads=5), "the kernels run on CUDA devices only"),
     (dict(kv_layout="HND"), "swa_kv_cache of shape [4, 64, 1, 584] is not laid out as kv_layout='HND'"),
-    (dict(bmm1_scale=torch.tensor(0.05)), "bmm1_scale and bmm2_scale must be Python numbers: a tensor would be "
+    (dict(bmm1_scale=torch.tensor(0.05)), "bmm1_scale must be a real Python number, not a tensor: it would be "
                                           "read back to the host"),
     (dict(bmm1_scale=1), "the kernels run on CUDA devices only"),
-    (dict(bmm1_scale=True), "sm_scale must be a real Python number"),  # the API's rule, as for the MLA adapter
+    (dict(bmm1_scale=True), "bmm1_scale must be a real Python number"),  # the API's rule, as for the MLA adapter
     (dict(swa_topk_lens=torch.full((3, 1), 7, dtype=torch.int32)), "the kernels run on CUDA devices only"),
     (dict(kv_layout="NDH"), "kv_layout must be 'HND' or 'NHD'"),
     (dict(backend="trtllm-gen"), "backend must be one of ('auto', 'sparse', 'cake')"),
@@ -187,13 +187,20 @@ def test_sglang_adapter_takes_sglangs_keywords():
     assert text.endswith("the kernels run on CUDA devices only")
     with pytest.raises(TypeError):  # keywords only, as SGLang calls it
         flash_mla_with_kvcache_sm120(q, cache, idx, 512)
+    text = _refused(trtllm_batch_decode_sparse_mla_dsv4, **dict(_vllm_dsv4_call(), sparse_indice=idx,
+                                                                 sparse_indices=None))
+    assert "sparse_indice: not a keyword" in text  # not "sparse_indices is required"
     assert "head_dim_v must be 512" in _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, indices=idx,
                                                  head_dim_v=576)
     # SGLang's function takes **kwargs: a keyword a later SGLang passes is refused by name
     text = _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, head_dim_v=512, indices=idx, causal=False,
                     is_fp8_kvcache=True)
     assert text.endswith("causal, is_fp8_kvcache: not a keyword of SGLang's flash_mla_with_kvcache_sm120 this "
-                         "adapter serves (checked against SGLang 0.5.23)")
+                         "call shape serves (checked against SGLang 0.5.23)")
+    # a misspelt keyword is named as unknown, not as the required one missing
+    text = _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, head_dim_v=512, indice=idx)
+    assert "indice: not a keyword" in text
+    assert "indices required" in _refused(flash_mla_with_kvcache_sm120, q=q, k_cache=cache, head_dim_v=512)
 
 
 @pytest.mark.parametrize("adapter", ["flash_mla", "trtllm", "trtllm_no_lse"])
@@ -361,3 +368,20 @@ def test_flashinfer_mla_lse_is_an_output_of_the_call_checked_as_one():
                                         ("enable_pdl", 1), ("is_var_seq", None)])
 def test_flashinfer_mla_flags_take_booleans_only(flag, value):
     assert f"{flag} must be" in _refused(trtllm_batch_decode_with_kv_cache_mla, **_vllm_v32_call(**{flag: value}))
+
+
+def test_sglang_glm_call_reaches_the_mla_call_shape():
+    """SGLang's DSA decode of GLM-5 on SM120 (``flashinfer_sparse_mla_forward``): q [T, H, 576],
+    the pool's rows, indices [T, topk], seq_lens [T]: this library's refusal of CPU tensors."""
+    from dispatch.engines.flashinfer_mla import flashinfer_sparse_mla_forward
+
+    T, H, topk = 3, 8, 64
+    kw = dict(q=torch.randn(T, H, 576).to(torch.bfloat16), kv_cache=V32_CACHE, indices=torch.zeros(T, topk,
+                                                                                                  dtype=torch.int32),
+              seq_lens=torch.full((T,), 5, dtype=torch.int32), workspace_buffer=None, page_size=V32_CACHE.shape[1],
+              kv_cache_dim=656, qk_nope_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64, sm_scale=0.05,
+              skip_softmax_threshold_scale_factor=None)
+    text = _refused(flashinfer_sparse_mla_forward, **kw)
+    assert text.startswith(V32_FP8.model_type + ": num_tokens=3, num_heads=8, topk=64") and "CUDA devices only" in text
+    assert "skip_softmax_threshold_scale_factor is not served" in _refused(
+        flashinfer_sparse_mla_forward, **dict(kw, skip_softmax_threshold_scale_factor=0.5))

@@ -304,18 +304,22 @@ def _stand_in_sglang(monkeypatch, with_target=True, with_hooks=True):
         _module(monkeypatch, sglang_plugin.HOOKS, HookRegistry=HookRegistry, HookType=hook_type)
     else:
         monkeypatch.setitem(sys.modules, sglang_plugin.HOOKS, None)  # import fails
-    for path in (sglang_plugin.SM120_TARGET, sglang_plugin.SM90_TARGET):
+    targets = {}
+    for path in (sglang_plugin.SM120_TARGET, sglang_plugin.SM120_GLM_TARGET, sglang_plugin.SM90_TARGET):
         module_name, name = path.rsplit(".", 1)
-        _module(monkeypatch, module_name, **({name: _original} if with_target else {}))
+        targets.setdefault(module_name, {})[name] = _original
+    for module_name, names in targets.items():
+        _module(monkeypatch, module_name, **(names if with_target else {}))
     for path, *_ in sglang_plugin.SITE_HOOKS:
         module_name, cls_name, _ = path.rsplit(".", 2)
         _module(monkeypatch, module_name, **{cls_name: type(cls_name, (), {path.rsplit(".", 1)[1]: _original})})
     return registered
 
 
-@pytest.mark.parametrize("capability,target,kind", [((12, 0), sglang_plugin.SM120_TARGET, "replace"),
-                                                    ((9, 0), sglang_plugin.SM90_TARGET, "around")])
-def test_sglang_plugin_registers_its_gpus_hooks(monkeypatch, caplog, capability, target, kind):
+@pytest.mark.parametrize("capability,targets,kind", [
+    ((12, 0), (sglang_plugin.SM120_TARGET, sglang_plugin.SM120_GLM_TARGET), "replace"),
+    ((9, 0), (sglang_plugin.SM90_TARGET,), "around")])
+def test_sglang_plugin_registers_its_gpus_hooks(monkeypatch, caplog, capability, targets, kind):
     registered = _stand_in_sglang(monkeypatch)
     monkeypatch.delenv(ENV, raising=False)
     sglang_plugin.register(capability=lambda: capability)
@@ -323,8 +327,9 @@ def test_sglang_plugin_registers_its_gpus_hooks(monkeypatch, caplog, capability,
     monkeypatch.setenv(ENV, "1")
     with caplog.at_level("WARNING", logger=sglang_plugin.LOG.name):
         sglang_plugin.register(capability=lambda: capability)
-    assert [(t, k) for t, _, k in registered] == [(target, kind)] + [(p, "around") for p, *_ in sglang_plugin.SITE_HOOKS]
-    assert target in caplog.text and "the real heads of each layer from" in caplog.text
+    assert [(t, k) for t, _, k in registered] == ([(t, kind) for t in targets]
+                                                  + [(p, "around") for p, *_ in sglang_plugin.SITE_HOOKS])
+    assert all(t in caplog.text for t in targets) and "the real heads of each layer from" in caplog.text
 
 
 def test_sglang_sm120_call_computes_the_real_heads_of_its_site(monkeypatch):

@@ -46,9 +46,10 @@ def flashinfer_scale_problem(bmm1_scale, bmm2_scale) -> str | None:
     """What FlashInfer's two scales ask that the kernels do not do (None: nothing), for both
     FlashInfer call shapes. Any other ``bmm1_scale`` is the API's ``sm_scale``, refused by its
     rule (``SCALE_RULE``) where it is not a usable number."""
-    if isinstance(bmm1_scale, torch.Tensor) or isinstance(bmm2_scale, torch.Tensor):
-        return ("bmm1_scale and bmm2_scale must be Python numbers: a tensor would be read back to the host (a "
-                "synchronization, wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too)")
+    for name, value in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
+        if isinstance(value, torch.Tensor):
+            return (f"{name} must be a real Python number, not a tensor: it would be read back to the host (a "
+                    f"synchronization, wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too)")
     if isinstance(bmm2_scale, bool) or not isinstance(bmm2_scale, (int, float)) or bmm2_scale != 1.0:
         return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale!r}"
     return None

@@ -9,7 +9,7 @@ import torch
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, MODEL1_FP8
 
 from ..api import one_shot_decode
-from ..runtime.decode_inputs import DecodeTensors
+from ..runtime.decode_inputs import DecodeTensors, caller_names
 from ..runtime.lse import LSE_CONVENTIONS, convert_lse
 from .calls import check_lse_convention, flashinfer_scale_problem, refuse, valid_heads
 
@@ -30,6 +30,11 @@ DSV4_KV_CACHE_FORMATS = {
     "fp8_dsv41_inline_fp4_ca": ("v41_fp8_inline", "v41_nvfp4_inline"),
 }
 _DSV4_FORMAT = MODEL1_FP8.name  # what a refusal names before kv_cache_format is read
+# FlashInfer's names of the decode's arguments: what a refusal names
+DSV4_NAMES = caller_names(dict(q="query", kv_cache="swa_kv_cache", indices="sparse_indices",
+                               topk_length="swa_topk_lens", attn_sink="sinks", extra_kv_cache="compressed_kv_cache",
+                               extra_indices="extra_sparse_indices", extra_topk_length="extra_sparse_topk_lens",
+                               sm_scale="bmm1_scale"))
 # FlashInfer's kernel families on SM120 ("trtllm-gen" and "cute-dsl" are SM100's): these
 # kernels serve each SM120 one
 _DSV4_BACKENDS = ("auto", "sparse", "cake")
@@ -147,7 +152,8 @@ def trtllm_batch_decode_sparse_mla_dsv4(
                                   extra_kv_format=None if compressed_kv_cache is None else extra_format,
                                   caller_check=lambda: _check_kv_layout(query, kv_layout, main_format,
                                                                         swa_kv_cache=swa_kv_cache,
-                                                                        compressed_kv_cache=compressed_kv_cache))
+                                                                        compressed_kv_cache=compressed_kv_cache),
+                                  names=DSV4_NAMES)
     if o is not out:
         result = out
     if not return_lse:
@@ -180,8 +186,12 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
                   unknown, return_lse, *unserved) -> str | None:
     """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found);
     ``formats``: ``kv_cache_format``'s pair in ``DSV4_KV_CACHE_FORMATS`` (None: not one),
-    ``unknown``: the keywords no FlashInfer release this call shape follows has. Every call runs
+    ``unknown``: the keywords no FlashInfer release this call shape follows has (named first:
+    a misspelt keyword is named as such, not as the one it should have been). Every call runs
     it: the common case is a handful of comparisons."""
+    if unknown:
+        return (f"{', '.join(sorted(unknown))}: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 "
+                f"this call shape serves (checked against {FLASHINFER_CHECKED})")
     if cum_seq_lens_q is not None:
         d_qk = FORMATS[_DSV4_FORMAT].d_qk
         return (f"cum_seq_lens_q (ragged query lengths) is not served: pass [batch, seq_q, heads, {d_qk}] or "
@@ -207,9 +217,6 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
     if given:
         return (f"{', '.join(given)}: not served (FlashInfer's HCA inputs; storage-offset indices and the FP8 "
                 f"output with a fused inverse RoPE, which vLLM's SM100 class passes)")
-    if unknown:
-        return (f"{', '.join(sorted(unknown))}: not a keyword of FlashInfer's trtllm_batch_decode_sparse_mla_dsv4 "
-                f"this call shape serves (checked against {FLASHINFER_CHECKED})")
     if type(sparse_topk_lens_offset) is not int or sparse_topk_lens_offset != 0:
         return (f"sparse_topk_lens_offset must be the int 0 (it offsets sparse_topk_lens, FlashInfer's SM100 "
                 f"length), got {sparse_topk_lens_offset!r}")

@@ -8,9 +8,15 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, KvFormat
 
-from ..api import sparse_mla_decode
+from ..api import one_shot_decode
+from ..runtime.decode_inputs import DecodeTensors, caller_names
 from ..runtime.lse import LSE_CONVENTIONS
 from .calls import flashinfer_scale_problem, refuse as _refuse
+
+# FlashInfer's names of the decode's arguments (the lengths: as the call gave them)
+_MLA_NAMES = {lengths: caller_names(dict(q="query", indices="block_tables", topk_length=lengths, attn_sink="sinks",
+                                         sm_scale="bmm1_scale"))
+              for lengths in ("seq_lens", "sparse_mla_top_k_lens")}
 
 # FlashInfer's kv_scale_format values for its packed FP32-scale sparse backend ("auto" and
 # "pow2_fp32": DeepSeek-V3.2's power-of-two scales; "arbitrary_fp32": GLM's). The kernels here
@@ -183,9 +189,49 @@ def trtllm_batch_decode_with_kv_cache_mla(
         except RuntimeError:
             refuse(f"lse of shape {list(lse.shape)} and strides {list(lse.stride())} cannot be viewed as "
                    f"[{batch}, {seq_q}, {num_heads}] without a copy: pass a tensor whose tokens are evenly strided")
-    result, written = sparse_mla_decode(query, cache, block_tables, sm_scale=bmm1_scale, topk_length=lengths,
-                                        attn_sink=sinks, out=out, lse=lse_out,
-                                        lse_convention=convention if return_lse else "natural", kv_format=fmt.name)
+    given = DecodeTensors._make((query, cache, block_tables, lengths, sinks, out, lse_out, None, None, None))
+    names = _MLA_NAMES["seq_lens" if sparse_mla_top_k_lens is None else "sparse_mla_top_k_lens"]
+    result, written = one_shot_decode(given, sm_scale=bmm1_scale, precision=None, kv_format=fmt.name,
+                                      extra_kv_format=None, lse_convention=convention if return_lse else "natural",
+                                      keep_lse=return_lse, names=names)
     if not return_lse:
         return result
     return result, (written.reshape(batch * seq_q, num_heads) if lse is None else lse)
+
+
+def flashinfer_sparse_mla_forward(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    workspace_buffer: torch.Tensor | None,
+    *,
+    page_size: int,
+    kv_cache_dim: int,
+    qk_nope_head_dim: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    sm_scale: float,
+    skip_softmax_threshold_scale_factor: float | None,
+) -> torch.Tensor:
+    """SGLang's ``flashinfer_sparse_mla_forward`` (``sglang/kernels/ops/attention/flash_mla_sm120.py``,
+    SGLang 0.5.23): its DSA backend's decode of GLM-5 / GLM-5.3 on SM120 with an FP8 cache, the
+    call it makes of FlashInfer's MLA decode made here. ``q [T, H, d_qk]``, ``kv_cache`` the
+    pool's rows (viewed ``[-1, page_size, kv_cache_dim]``), ``indices [T, topk]`` pool rows
+    (-1: none), ``seq_lens [T]`` the valid entries of each row, GLM's arbitrary FP32 scales.
+    Returns ``out [T, H, 512]`` bf16. ``skip_softmax_threshold_scale_factor`` (SGLang's
+    ``SGLANG_SKIP_SOFTMAX_*_THRESHOLD_SCALE_FACTOR``, unset by default) is refused: it skips
+    entries, and the result is no longer the attention."""
+    if not isinstance(kv_cache, torch.Tensor) or type(page_size) is not int or type(kv_cache_dim) is not int:
+        _refuse(f"kv_cache must be a torch.Tensor and page_size, kv_cache_dim ints, got "
+                f"{type(kv_cache).__name__}, {page_size!r}, {kv_cache_dim!r}", q)
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or not isinstance(q, torch.Tensor) or q.dim() != 3:
+        _refuse(f"q must be [tokens, heads, d_qk] and indices [tokens, topk], got "
+                f"{list(getattr(q, 'shape', []))} and {list(getattr(indices, 'shape', []))}", q)
+    topk = indices.shape[1]
+    rows = kv_cache.view(torch.uint8).view(-1, page_size, kv_cache_dim).unsqueeze(1)
+    out = trtllm_batch_decode_with_kv_cache_mla(
+        q.unsqueeze(1), rows, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+        indices.unsqueeze(1), seq_lens, topk, sparse_mla_top_k=topk, bmm1_scale=sm_scale,
+        kv_scale_format="arbitrary_fp32", skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
+    return out.squeeze(1)

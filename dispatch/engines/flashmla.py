@@ -14,12 +14,16 @@ import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import D_V
 
-from ..api import sparse_mla_decode
-from ..runtime.lse import convert_lse
+from ..api import one_shot_decode
+from ..runtime.decode_inputs import DecodeTensors, caller_names
 from .calls import check_lse_convention, known_format, refuse, valid_heads
 
 # the engine release whose keywords the SGLang SM120 call shape takes
 SGLANG_CHECKED = "SGLang 0.5.23"
+# FlashMLA's names of the decode's arguments: what a refusal names
+FLASHMLA_NAMES = caller_names(dict(kv_cache="k_cache", extra_kv_cache="extra_k_cache",
+                                   extra_indices="extra_indices_in_kvcache", sm_scale="softmax_scale"))
+_SGLANG_REQUIRED = ("q", "k_cache", "indices", "head_dim_v")
 
 
 def flash_mla_with_kvcache(
@@ -95,23 +99,24 @@ def flash_mla_with_kvcache(
     given_out, sink = out, attn_sink
     if num_valid_heads is not None:
         q, out, sink = valid_heads(q, out, attn_sink, num_valid_heads, name)
-    result, lse = sparse_mla_decode(q, k_cache, indices, sm_scale=softmax_scale, topk_length=topk_length,
-                                    attn_sink=sink, extra_kv_cache=extra_k_cache,
-                                    extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length,
-                                    out=out, kv_format=kv_format, extra_kv_format=extra_kv_format)
+    given = DecodeTensors._make((q, k_cache, indices, topk_length, sink, out, None, extra_k_cache,
+                                 extra_indices_in_kvcache, extra_topk_length))
+    result, lse = one_shot_decode(given, sm_scale=softmax_scale, lse_convention=lse_convention, precision=None,
+                                  kv_format=kv_format, extra_kv_format=extra_kv_format, keep_lse=return_lse,
+                                  names=FLASHMLA_NAMES)
     if given_out is not None:
         result = given_out
     if not return_lse:
         return result, None
-    return result, convert_lse(lse, sink, lse_convention).transpose(1, 2)
+    return result, lse.transpose(1, 2)
 
 
 def flash_mla_with_kvcache_sm120(
     *,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    indices: torch.Tensor,
-    head_dim_v: int,
+    q: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    head_dim_v: int | None = None,
     softmax_scale: float | None = None,
     topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
@@ -144,9 +149,12 @@ def flash_mla_with_kvcache_sm120(
     SGLang's own function takes ``**kwargs``: a keyword it may pass after 0.5.23 is refused
     naming it (an ``InvalidDecodeInput``), not Python's TypeError at the first decode.
     """
-    if unknown:
+    if unknown:  # first: a misspelt keyword is named as such, not as the one it should have been
         refuse(f"{', '.join(sorted(unknown))}: not a keyword of SGLang's flash_mla_with_kvcache_sm120 this "
-               f"adapter serves (checked against {SGLANG_CHECKED})", q, kv_format)
+               f"call shape serves (checked against {SGLANG_CHECKED})", q, kv_format)
+    missing = [name for name, value in zip(_SGLANG_REQUIRED, (q, k_cache, indices, head_dim_v)) if value is None]
+    if missing:
+        refuse(f"{', '.join(missing)} required (SGLang's call passes q, k_cache, indices and head_dim_v)", q, kv_format)
     return flash_mla_with_kvcache(q, k_cache, None, None, head_dim_v, softmax_scale=softmax_scale,
                                   is_fp8_kvcache=True, indices=indices, attn_sink=attn_sink,
                                   extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,

@@ -10,7 +10,12 @@ before it builds the model. What it hooks, read in SGLang 0.5.23's released whee
   (``layer.tp_q_head_num``; SGLang pads the query to 64 heads at attention TP > 1 for FlashMLA,
   uninitialised for V4, and drops the padded rows after the call);
 - on sm_120 / sm_121 (REPLACE): ``SM120_TARGET``, the function the DeepSeek-V4 backend imports
-  at each call on SM120, by ``flashmla.flash_mla_with_kvcache_sm120``;
+  at each call on SM120, by ``flashmla.flash_mla_with_kvcache_sm120``; ``SM120_GLM_TARGET``, the
+  function the DSA backend imports at each call for GLM-5 / GLM-5.3 with an FP8 cache on SM120
+  (its only decode there), by ``flashinfer_mla.flashinfer_sparse_mla_forward``. DeepSeek-V3.2 on
+  SM120 is not taken: SGLang calls FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla`` for it
+  directly with ``backend="trtllm-gen"`` (``dsa_backend.py`` ``_forward_trtllm``), a function every
+  MLA model of the process shares;
 - on sm_90 (AROUND): ``SM90_TARGET``, FlashMLA's function that SGLang's backends call (the
   DeepSeek-V4 backend binds it, with ``use_legacy=``, when it is built, after the hooks are
   applied; the DSA backend imports it at each call), routed per shape by ``sm90_route``.
@@ -33,6 +38,8 @@ LOG = logging.getLogger("sglang.dsv4_sparse_mla")
 
 HOOKS = "sglang.srt.plugins.hook_registry"
 SM120_TARGET = "sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120"
+# the DSA backend's GLM-5 / GLM-5.3 decode on SM120 with an FP8 cache (resolved at each call)
+SM120_GLM_TARGET = "sglang.kernels.ops.attention.flash_mla_sm120.flashinfer_sparse_mla_forward"
 SM90_TARGET = "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"
 # (method, what the site is, the position of ``layer`` among the method's arguments after self,
 # whether SGLang reads the lse the call returns)
@@ -57,20 +64,25 @@ def register(capability=None) -> None:
     hook_type = getattr(hooks, "HookType", None)
     if registry is None or not all(hasattr(hook_type, t) for t in ("REPLACE", "AROUND")):
         raise _missing(f"{HOOKS}.HookRegistry / HookType.REPLACE, AROUND", error)
-    target = SM120_TARGET if family == "sm120" else SM90_TARGET
-    for path in [target] + [path for path, *_ in SITE_HOOKS]:
+    targets = [SM120_TARGET, SM120_GLM_TARGET] if family == "sm120" else [SM90_TARGET]
+    for path in targets + [path for path, *_ in SITE_HOOKS]:
         _resolve(path)  # every name first: all hooks or none
     if family == "sm120":
+        from .flashinfer_mla import flashinfer_sparse_mla_forward
+
         registry.register(SM120_TARGET, plugin_mode.announce_first_call(
             sm120_call, LOG, "SGLang's flash_mla_with_kvcache_sm120 served by dispatch.engines.flashmla"),
             hook_type.REPLACE)
+        registry.register(SM120_GLM_TARGET, plugin_mode.announce_first_call(
+            flashinfer_sparse_mla_forward, LOG,
+            "SGLang's flashinfer_sparse_mla_forward served by dispatch.engines.flashinfer_mla"), hook_type.REPLACE)
     else:
         registry.register(SM90_TARGET, sm90_around(), hook_type.AROUND)
     for path, label, layer_at, wants_lse in SITE_HOOKS:
         registry.register(path, _site_around(f"SGLang {path.rsplit('.', 2)[-2]} ({label})", layer_at, wants_lse),
                           hook_type.AROUND)
-    what = (f"DeepSeek-V4 / V4.1 decode now calls this library ({SM120_TARGET} replaced by "
-            f"dispatch.engines.flashmla.flash_mla_with_kvcache_sm120)" if family == "sm120" else
+    what = (f"DeepSeek-V4 / V4.1 and GLM-5 decode now call this library ({SM120_TARGET}, {SM120_GLM_TARGET} "
+            f"replaced by dispatch.engines)" if family == "sm120" else
             f"FlashMLA's sparse decode ({SM90_TARGET}) routed per shape between this library and FlashMLA")
     LOG.warning("dsv4-sparse-mla: SGLang %s on %s (%s=%s): %s; the real heads of each layer from %s",
                 plugin_mode.engine_version("sglang"), "sm_120 / sm_121" if family == "sm120" else "sm_90",

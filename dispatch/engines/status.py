@@ -66,7 +66,8 @@ def _vllm_names(family: str) -> list[str]:
 def _sglang_names(family: str) -> list[str]:
     from . import sglang_plugin as p
 
-    return [p.SM120_TARGET if family == "sm120" else p.SM90_TARGET] + [path for path, *_ in p.SITE_HOOKS]
+    targets = [p.SM120_TARGET, p.SM120_GLM_TARGET] if family == "sm120" else [p.SM90_TARGET]
+    return targets + [path for path, *_ in p.SITE_HOOKS]
 
 
 def _apply(engine: str, family: str, capability) -> tuple[list[str], str | None]:
