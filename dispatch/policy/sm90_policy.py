@@ -18,7 +18,7 @@ smallest measured entry count >= ``entries`` and the smallest measured token cou
 up keeps the choice conservative: this library's advantage shrinks as heads, entries and tokens
 grow. A call of a family with no measured row goes to FlashMLA.
 
-``EVIDENCE``: the measured rows (``scripts/sm90_route_table.py``, the table of
+``EVIDENCE``: the measured rows (``dispatch.tools.sm90_route_table``, the table of
 ``docs/performance.md``, "The Hopper route"): each row this library's routed call (the real
 heads of a query padded as the engines pad it) and FlashMLA's call on the padded query, both
 replayed from CUDA graphs with L2 cleared, in one process, on one GPU. ``dsv4-mla-selftest
@@ -55,7 +55,7 @@ class RouteRow:
         return LIBRARY if self.library_us <= self.flashmla_us else FLASHMLA
 
 
-# The measured rows: ``python -m scripts.sm90_route_table`` (device, date and commit in
+# The measured rows: ``python -m dispatch.tools.sm90_route_table`` (device, date and commit in
 # ``EVIDENCE_SOURCE``); replace both together when re-measured.
 EVIDENCE_SOURCE = ""
 EVIDENCE: tuple[RouteRow, ...] = ()

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                          f"one page size per shape")
     ap.add_argument("--no-timing", action="store_true", help="accuracy only: no timing, no other libraries")
     ap.add_argument("--seed", type=int, default=0, help="the seed of the random caches and queries (default 0)")
+    ap.add_argument("--route-table", metavar="FILE", help="on sm_90 with FlashMLA installed (its module: "
+                    "--flashmla): then measure the Hopper route's table for this GPU into FILE, which "
+                    "DSV4_MLA_SM90_ROUTE_TABLE=FILE makes the engine plugins use (dispatch.tools.sm90_route_table)")
+    ap.add_argument("--flashmla", default="flash_mla", help="the module with FlashMLA's flash_mla_with_kvcache, "
+                    "for --route-table (default flash_mla; vLLM's: vllm.v1.attention.ops.flashmla)")
     return ap
 
 
@@ -369,6 +374,18 @@ def main(argv=None) -> int:
     for what, path in written.items():
         print(f"{PROG}: {what}: {path}", file=sys.stderr)
     print(summary_line(result))
+    if args.route_table:
+        if gpu["arch"] != "sm_90a":
+            print(f"{PROG}: --route-table: the Hopper route's table is measured on sm_90 GPUs, this is "
+                  f"{gpu['arch']}", file=sys.stderr)
+            return max(status, EXIT_USAGE)
+        from .sm90_route_table import main as route_table
+
+        route_status = route_table(["--json", args.route_table, "--flashmla", args.flashmla, "--seed",
+                                    str(args.seed)] + (["--quick"] if args.quick else []))
+        print(f"{PROG}: route table: {args.route_table} (DSV4_MLA_SM90_ROUTE_TABLE={args.route_table} makes the "
+              f"engine plugins use it)", file=sys.stderr)
+        status = max(status, route_status)
     return status
 
 

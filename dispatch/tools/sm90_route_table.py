@@ -1,8 +1,9 @@
 """Measure the Hopper route's table (``dispatch.policy.sm90_policy``): this library's routed call
 against FlashMLA's SM90 sparse decode, both as the engines call them, on one GPU in one process.
 
-    python -m scripts.sm90_route_table [--quick] [--flashmla MODULE] [--json out.json]
-                                       [--python evidence.py] [--check]
+    python -m dispatch.tools.sm90_route_table [--quick] [--flashmla MODULE] [--json out.json]
+                                              [--python evidence.py] [--check]
+    dsv4-mla-selftest ... --route-table out.json       (the same measurement, after the self-test)
 
 For each shape (family, real heads, tokens, lists): the query padded as vLLM and SGLang pad it
 for FlashMLA (64 heads up to 64 real ones, else 128; the real heads random, the padded ones
@@ -17,7 +18,9 @@ out=out_padded)`` (``--flashmla``: the module that has it, default ``flash_mla``
 outputs' real heads must agree (rel L2 < 2e-2) before either is timed; each call is captured
 in a CUDA graph and replayed with L2 cleared (``dispatch.tools.timing``).
 
-``--check`` then times the route itself (``dispatch.engines.sm90_route``, with the table just
+The file ``--json`` writes is a route table: ``DSV4_MLA_SM90_ROUTE_TABLE=out.json`` makes the
+engine plugins route by it on this GPU (an H20's or an H100's table may differ from the shipped
+one, measured on one GPU). ``--check`` then times the route itself (``dispatch.engines.sm90_route``, with the table just
 measured, or ``--table FILE``) against FlashMLA on the registry's Hopper deployments
 (``CHECK_LISTS`` x ``CHECK_TOKENS``): what a routed engine call costs. ``--json`` writes the rows as ``sm90_policy.load_table`` reads them (a route table
 for ``DSV4_MLA_SM90_ROUTE_TABLE``), ``--python`` the ``EVIDENCE`` literal of the policy module.
@@ -38,12 +41,12 @@ from pathlib import Path
 import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import get_format
-from dispatch.engines import flashmla as library
-from dispatch.engines import sm90_route
-from dispatch.engines.sites import site, within_site
-from dispatch.policy import sm90_policy
-from dispatch.tools.sample_inputs import make_cache, make_indices
-from dispatch.tools.timing import graph_time_us
+from ..engines import flashmla as library
+from ..engines import sm90_route
+from ..engines.sites import site, within_site
+from ..policy import sm90_policy
+from .sample_inputs import make_cache, make_indices
+from .timing import graph_time_us
 
 NUM_BLOCKS, PAGE = 4096, 64
 HEADS = (8, 16, 32, 64, 128)
@@ -158,14 +161,15 @@ def agreement(a: torch.Tensor, b: torch.Tensor, heads: int) -> float:
 def source_line() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
+                                cwd=Path(__file__).resolve().parents[2]).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
     return f"{torch.cuda.get_device_name()}, {datetime.date.today().isoformat()}, project {commit}"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m dispatch.tools.sm90_route_table", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS} only")
     ap.add_argument("--flashmla", default="flash_mla", help="the module with FlashMLA's flash_mla_with_kvcache")
     ap.add_argument("--json", help="write the rows (a route table) here")
