@@ -1,12 +1,14 @@
 """The user's first pages against the code (CPU): every command of docs/engines.md and
 docs/deployment.md that runs without a GPU (their ```shell blocks) runs and prints what the
-page says; the names the pages tell users to type (console commands, environment variables,
-self-test models and options, loggers, log lines, fingerprint parts) exist in the code; the
-README's first screen says what ran where and stays short; every relative link of README.md and
-docs/ points to a file and, with an anchor, to a heading of it."""
+page says; the names the pages tell users to type (console commands, options, environment
+variables, self-test models and options, loggers, log lines, the names the engine plugins
+patch, fingerprint parts) exist in the code; the README's first screen says what ran where and
+stays short; every relative link of README.md and docs/ points to a file and, with an anchor,
+to a heading of it."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.metadata
 import os
@@ -50,19 +52,31 @@ def _installed() -> bool:
         return False
 
 
+def _engines_route(gpu: str) -> str:
+    """What ``DSV4_MLA_ENGINE_KERNELS=1 dsv4-mla-engines --gpu GPU`` says the route is."""
+    from dispatch.engines import plugin_mode, status
+
+    cap = status.GPU_CHOICES[gpu]
+    family = None if cap is None else plugin_mode.FAMILY_BY_MAJOR.get(cap[0])
+    return ("route: " + plugin_mode.DESCRIBED[family] if family is not None
+            else "route: none (nothing is patched on this GPU with this setting)")
+
+
 def _expected_output(command: str) -> list[str]:
     """What the page says ``command`` prints (substrings of its output)."""
+    from dispatch.engines import status
     from dispatch.runtime import fingerprint
 
-    if "requested_mode" in command:
-        return ["sm120"]  # the value of DSV4_MLA_ENGINE_KERNELS=1, as the guide says
     if "entry_points" in command:
-        return (["dispatch.engine_plugins:register_vllm", "dispatch.engine_plugins:register_sglang"]
-                if _installed() else ["[]"])
+        return ([target for _, target in status.ENTRY_POINTS.values()] if _installed() else ["[]"])
     if "fingerprint" in command:
         return [fingerprint.dsl_version(), fingerprint.dsl_libs(), fingerprint.PROJECT_VERSION,
                 fingerprint.source_hash()]
-    helped = re.fullmatch(r"(dsv4-mla-[a-z-]+) --help", command.strip())
+    engines = re.fullmatch(r"DSV4_MLA_ENGINE_KERNELS=1 dsv4-mla-engines --gpu (\S+)", command.strip())
+    if engines:
+        gpu = engines.group(1)
+        return [f"GPU: {gpu} (--gpu); mode: auto", _engines_route(gpu)] + (["route table:"] if gpu == "sm_90" else [])
+    helped = re.fullmatch(r"(dsv4-mla-[a-z-]+|python -m [\w.]+) --help", command.strip())
     if helped:
         return [f"usage: {helped.group(1)}"]
     raise AssertionError(f"no expected output known for {command!r}: say in this test what it prints")
@@ -79,6 +93,9 @@ def test_every_cpu_command_runs_and_prints_what_the_page_says(page, command):
     assert done.returncode == 0, f"{page}: {command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     for expected in _expected_output(command):
         assert expected in done.stdout, f"{page}: {command} printed\n{done.stdout[-2000:]}\nwithout {expected!r}"
+    if "dsv4-mla-engines --gpu" in command or "entry_points" in command:  # ... and the page says so
+        for expected in _expected_output(command)[1 if "--gpu" in command else 0:]:
+            assert expected in _flat(GUIDE) or expected == "[]", f"{page} does not say {command} prints {expected!r}"
 
 
 # ---------------------------------------------------------------------- names the pages give
@@ -92,10 +109,27 @@ def test_the_commands_and_variables_the_pages_name_exist():
     for command in set(re.findall(r"\b(dsv4-mla-[a-z-]+)", text)):
         assert f"{command} = " in pyproject, command
     code = "\n".join(p.read_text() for p in (ROOT / "dispatch").rglob("*.py"))
-    variables = set(re.findall(r"\b(DSV4_MLA_[A-Z_]+)", text))
+    variables = set(re.findall(r"\b(DSV4_MLA_[A-Z0-9_]+)", text))
     assert {"DSV4_MLA_ENGINE_KERNELS", "DSV4_MLA_REQUIRE_AOT", "DSV4_MLA_AOT_DIR", "DSV4_MLA_CACHE_DIR"} <= variables
     for variable in variables:
         assert f'"{variable}"' in code, variable  # read from the environment under that name
+
+
+def test_the_engine_tools_the_guide_names_take_its_options():
+    from dispatch.engines import status
+
+    text = GUIDE.read_text()
+    listed = re.search(r"\(`--gpu (.*?) shows", text, re.S)  # the values the guide lists, then those it runs
+    assert listed, "the guide lists the values of dsv4-mla-engines --gpu"
+    gpus = re.findall(r"(sm_\d+|none)`", listed.group(1)) + re.findall(r"dsv4-mla-engines --gpu (\S+)", text)
+    assert set(gpus) == set(status.GPU_CHOICES), gpus
+    calls = re.findall(r"python -m (dispatch\.tools\.[\w.]+)((?: --?[\w-]+(?: [^\s-][^\s]*)?)*)", text)
+    assert calls
+    for module, args in calls:
+        done = _run(f"python -m {module} --help")
+        assert done.returncode == 0, done.stderr[-2000:]
+        for option in re.findall(r"(--[a-z-]+)", args):
+            assert option in done.stdout, (module, option)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,40 +165,82 @@ def _flat(page: Path) -> str:
     return " ".join(page.read_text().replace("`", "").split())
 
 
-def test_the_guide_quotes_the_plugins_and_the_loader(monkeypatch, caplog):
-    from cute_kernels.arch import SUPPORTED_ARCHS
-    from dispatch import adapters, engine_plugins
+PREFIX = "dsv4-sparse-mla: "
+
+
+def _plugin_log_formats() -> set[str]:
+    """Every format string the engine plugins log (``dispatch/engines/``), read from the source:
+    a logger call's first argument, or the message a route passes to its ``tell``, which adds the
+    prefix. The bare ``PREFIX + "%s"`` (an exception's text, quoted by the guide as the error) is
+    left out."""
+    formats = set()
+    for path in sorted((ROOT / "dispatch" / "engines").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in ("debug", "info", "warning", "error", "exception"):
+                given = node.args[0] if node.args else None
+                prefix = ""
+            elif isinstance(func, ast.Name) and func.id == "tell":
+                given = node.args[1] if len(node.args) > 1 else None
+                prefix = PREFIX
+            else:
+                continue
+            if isinstance(given, ast.Constant) and isinstance(given.value, str):
+                formats.add(prefix + given.value)
+    return {f for f in formats if f.startswith(PREFIX) and f != PREFIX + "%s"}
+
+
+def test_the_guide_quotes_every_log_line_of_the_plugins_as_the_code_writes_it():
+    code = _plugin_log_formats()
+    quoted = set(re.findall(r"`(" + re.escape(PREFIX) + r"[^`]+)`", GUIDE.read_text()))
+    assert len(code) >= 8, code
+    assert quoted == code, f"quoted, not logged: {sorted(quoted - code)}; logged, not quoted: {sorted(code - quoted)}"
+
+
+def test_the_guide_names_what_the_plugins_patch_and_say(monkeypatch, tmp_path):
+    from dispatch.engines import flashinfer_dsv4, plugin_mode, sglang_plugin, vllm_plugin
+    from dispatch.policy import sm90_policy
     from dispatch.runtime import loader
 
     guide = _flat(GUIDE)
-    for logger in (engine_plugins.VLLM_LOG, engine_plugins.SGLANG_LOG, loader.log):
+    for logger in (vllm_plugin.LOG, sglang_plugin.LOG, loader.log):
         assert f"logger {logger.name}" in guide.lower(), logger.name
-    assert engine_plugins.SGLANG_TARGET in guide
-    assert ".".join(engine_plugins.VLLM_BINDING) in guide and engine_plugins.VLLM_SHAPE_CHECK in guide
-    plugins = (ROOT / "dispatch" / "engine_plugins.py").read_text()
-    for replaced in ("dsv4-sparse-mla: vLLM %s: %s replaced by dispatch.adapters.trtllm_batch_decode_sparse_mla_dsv4",
-                     "dsv4-sparse-mla: SGLang %s: %s replaced by dispatch.adapters.flash_mla_with_kvcache_sm120"):
-        assert replaced in plugins  # the line the plugin logs ...
-        assert replaced.split(" %s:")[0] in guide and replaced.split("%s ")[-1] in guide  # ... as the guide quotes it
-    # the other lines, as the plugin says them
-    monkeypatch.setenv(engine_plugins.ENV, "1")
-    with caplog.at_level("INFO", logger=engine_plugins.VLLM_LOG.name):
-        assert not engine_plugins._wanted(engine_plugins.VLLM_LOG, "vLLM", lambda: (9, 0))
-    assert "the GPU is sm_90, not sm_120 / sm_121: vLLM's kernels are left in place" in caplog.text
-    assert "the GPU is sm_XY, not sm_120 / sm_121: vLLM's kernels are left in place" in guide
-    moved = str(engine_plugins._missing(engine_plugins.VLLM_LOG, "vLLM", "vllm", "x"))
-    assert moved.split(" has no")[0].rsplit(" ", 1)[0] + " X has no" in guide, moved
-    monkeypatch.setenv(engine_plugins.ENV, "maybe")
+    # every engine name the plugins patch or hook, on each GPU family
+    patched = [f"{vllm_plugin.FLASHINFER_BINDINGS}.{name}" for name, _, _ in vllm_plugin.SM120_BINDINGS]
+    patched += [f"{vllm_plugin.FLASHINFER_BINDINGS}.{vllm_plugin.SM120_SHAPE_CHECK}", ".".join(vllm_plugin.SM90_FLASHMLA)]
+    patched += [f"{m}.{c}.{f}" for m, c, f, *_ in vllm_plugin.SM90_SITES]
+    patched += [sglang_plugin.SM120_TARGET, sglang_plugin.SM120_GLM_TARGET, sglang_plugin.SM90_TARGET]
+    patched += [path for path, *_ in sglang_plugin.SITE_HOOKS]
+    for name in patched:
+        assert name in guide, name
+    # what fills the lines' %s: the first-call texts and SGLang's two descriptions
+    source = (ROOT / "dispatch" / "engines" / "sglang_plugin.py").read_text()
+    for name, target, _ in vllm_plugin.SM120_BINDINGS:
+        assert f"vLLM's {name} served by dispatch.engines.{target}" in guide, name
+    for said in ("SGLang's flash_mla_with_kvcache_sm120 served by dispatch.engines.flashmla",
+                 "SGLang's flashinfer_sparse_mla_forward served by dispatch.engines.flashinfer_mla",
+                 "DeepSeek-V4 / V4.1 and GLM-5 decode now call this library",
+                 "routed per shape between this library and FlashMLA"):
+        assert said in source and said in guide, said
+    # the refusals, as the code words them
+    monkeypatch.setenv(plugin_mode.ENV, "force")
     with pytest.raises(ValueError) as refused:
-        engine_plugins.requested_mode()
-    assert str(refused.value).startswith(f"{engine_plugins.ENV}='maybe': use 1 ")
-    assert f"ValueError: {engine_plugins.ENV}='...': use 1 " in guide
-    api = " ".join((ROOT / "dispatch" / "api.py").read_text().split())
-    assert "is not a supported target; \" f\"supported: {', '.join(SUPPORTED_ARCHS)}\"" in api
-    assert f"is not a supported target; supported: {', '.join(SUPPORTED_ARCHS)}" in guide
+        plugin_mode.requested_mode()
+    assert f"ValueError: {refused.value}" in guide, str(refused.value)
+    moved = str(plugin_mode.missing(vllm_plugin.LOG, "vLLM", "vllm", "x"))
+    assert moved.split(" has no")[0].rsplit(" ", 1)[0] + " X has no" in guide, moved
+    bad = tmp_path / "FILE"
+    bad.write_text("{}")
+    with pytest.raises(ValueError) as not_a_table:
+        sm90_policy.load_table(bad)
+    said = str(not_a_table.value).split(" (")[0].replace(str(bad), "FILE")
+    assert f"ValueError: {said} (" in guide, said
+    # the releases the plugins and call shapes were checked against
     for engine, version in (("vllm", "0.34.0"), ("sglang", "0.5.23")):
-        assert engine_plugins.CHECKED[engine].startswith(version) and version in guide
-    assert adapters.FLASHINFER_CHECKED in guide
+        assert plugin_mode.CHECKED[engine].startswith(version) and version in guide
+    assert flashinfer_dsv4.FLASHINFER_CHECKED in guide
 
 
 def test_the_pages_quote_the_loaders_words(isolated_loader, monkeypatch, tmp_path, caplog):

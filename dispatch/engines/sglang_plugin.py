@@ -77,7 +77,14 @@ def register(capability=None) -> None:
             flashinfer_sparse_mla_forward, LOG,
             "SGLang's flashinfer_sparse_mla_forward served by dispatch.engines.flashinfer_mla"), hook_type.REPLACE)
     else:
-        registry.register(SM90_TARGET, sm90_around(), hook_type.AROUND)
+        from .sm90_route import route_rows
+
+        try:  # a route table named by DSV4_MLA_SM90_ROUTE_TABLE is read now, not at the first decode
+            table = route_rows()
+        except ValueError as err:
+            LOG.error("dsv4-sparse-mla: %s", err)
+            raise
+        registry.register(SM90_TARGET, sm90_around(table), hook_type.AROUND)
     for path, label, layer_at, wants_lse in SITE_HOOKS:
         registry.register(path, _site_around(f"SGLang {path.rsplit('.', 2)[-2]} ({label})", layer_at, wants_lse),
                           hook_type.AROUND)
@@ -121,8 +128,9 @@ def sm120_call(**kwargs):
     return flash_mla_with_kvcache_sm120(**kwargs)
 
 
-def sm90_around():
-    """The AROUND hook of FlashMLA's function: SGLang passes its original with each call."""
+def sm90_around(table):
+    """The AROUND hook of FlashMLA's function: SGLang passes its original with each call;
+    ``table``: the (rows, source) the route chooses by (``sm90_route.route_rows``)."""
     from .sm90_route import make_route
 
     routes = {}
@@ -130,7 +138,7 @@ def sm90_around():
     def routed(original, *args, **kwargs):
         route = routes.get(original)
         if route is None:
-            route = routes[original] = make_route(original, LOG, "SGLang")
+            route = routes[original] = make_route(original, LOG, "SGLang", table=table)
         return route(*args, **kwargs)
 
     return routed

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import inspect
 import itertools
 import json
 import logging
@@ -135,22 +136,27 @@ def call_kwargs(shape: Shape, gen: torch.Generator) -> dict:
 
 
 def runners(fm, shape: Shape, kw: dict, table=None) -> dict:
-    """No-argument calls: FlashMLA's, this library's (``num_valid_heads``), and with ``table``
-    the route's (the site's real heads set, as the plugins set them)."""
-    sched = fm.get_mla_metadata()[0]
-    fm_kw = dict(kw, tile_scheduler_metadata=sched)
-    fm_out = kw["out"]
-    lib_kw = dict(kw, out=torch.empty_like(fm_out))
-    calls = {"flashmla": lambda: fm.flash_mla_with_kvcache(**fm_kw),
+    """No-argument calls, each returning its output: FlashMLA's, this library's
+    (``num_valid_heads``), and with ``table`` the route's (the site's real heads set, as the
+    plugins set them). A FlashMLA without ``out=`` (SGLang's sgl-flash-mla) allocates its
+    output, as SGLang calls it, and so does every call here then."""
+    takes_out = "out" in inspect.signature(fm.flash_mla_with_kvcache).parameters
+    base = kw if takes_out else {k: v for k, v in kw.items() if k != "out"}
+
+    def fresh():  # each call its own output buffer
+        return dict(base, out=torch.empty_like(kw["out"])) if takes_out else dict(base)
+
+    fm_kw, lib_kw = dict(fresh(), tile_scheduler_metadata=fm.get_mla_metadata()[0]), fresh()
+    calls = {"flashmla": lambda: fm.flash_mla_with_kvcache(**fm_kw)[0],
              "library": lambda: library.flash_mla_with_kvcache(**lib_kw, kv_format=FORMAT[shape.family],
-                                                               num_valid_heads=shape.heads, return_lse=False)}
+                                                               num_valid_heads=shape.heads, return_lse=False)[0]}
     if table is not None:
         route = sm90_route.make_route(fm.flash_mla_with_kvcache, logging.getLogger("sm90_route_table"), "FlashMLA",
                                       table=(table, "measured in this run"))
-        route_kw = dict(kw, out=torch.empty_like(fm_out), tile_scheduler_metadata=fm.get_mla_metadata()[0])
+        route_kw = dict(fresh(), tile_scheduler_metadata=fm.get_mla_metadata()[0])
         where = site("bench", shape.heads, False)
-        calls["routed"] = lambda: within_site(where, route, **route_kw)
-    return calls, fm_out, lib_kw["out"]
+        calls["routed"] = lambda: within_site(where, route, **route_kw)[0]
+    return calls
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, heads: int) -> float:
@@ -185,8 +191,8 @@ def main(argv=None) -> int:
     print(f"{'shape':<28} {'library us':>10} {'FlashMLA us':>11} {'FlashMLA/lib':>12} {'agree':>8}")
     for shape in shapes(args.quick):
         kw = call_kwargs(shape, gen)
-        calls, fm_out, lib_out = runners(fm, shape, kw)
-        calls["flashmla"](), calls["library"]()
+        calls = runners(fm, shape, kw)
+        fm_out, lib_out = calls["flashmla"](), calls["library"]()
         torch.cuda.synchronize()
         err = agreement(lib_out, fm_out, shape.heads)
         if not err < AGREE:
@@ -209,7 +215,7 @@ def main(argv=None) -> int:
         print(f"\n{'shape':<28} {'routed us':>10} {'FlashMLA us':>11} {'FlashMLA/routed':>15} {'route':>8}")
         for shape in check_shapes():
             kw = call_kwargs(shape, gen)
-            calls, _, _ = runners(fm, shape, kw, table=table)
+            calls = runners(fm, shape, kw, table=table)
             routed_us, fm_us = graph_time_us(calls["routed"]), graph_time_us(calls["flashmla"])
             pick = sm90_policy.choose(shape.family, shape.heads, shape.tokens, shape.entries, table)
             checks.append(dict(family=shape.family, heads=shape.heads, tokens=shape.tokens, entries=shape.entries,
