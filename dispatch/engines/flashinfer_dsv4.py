@@ -89,7 +89,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
 
     vLLM's call: ``query [T, H, 512]`` bf16 (heads zero-padded to 8/16/32/64/128),
     ``swa_kv_cache [num_blocks, 64, 1, 584]`` uint8 (page 64, blocks 37,440 bytes apart),
-    ``sparse_indices [T, window]`` int32 slots with ``swa_topk_lens [T]``,
+    ``sparse_indices [T, 1, window]`` int32 slots (``[T, window]`` too) with ``swa_topk_lens [T]``,
     ``compressed_kv_cache [num_blocks, 64 or 2, 1, 584]`` with ``extra_sparse_indices
     [T, 1, K]`` global slots (the ratio-128 layers at the full buffer width, e.g. 8192, the
     real count in ``extra_sparse_topk_lens [T]``), ``out [T, H, 512]``, ``bmm1_scale`` the

@@ -12,7 +12,8 @@ before it builds the model. What it hooks, read in SGLang 0.5.23's released whee
 - on sm_120 / sm_121 (REPLACE): ``SM120_TARGET``, the function the DeepSeek-V4 backend imports
   at each call on SM120, by ``flashmla.flash_mla_with_kvcache_sm120``; ``SM120_GLM_TARGET``, the
   function the DSA backend imports at each call for GLM-5 / GLM-5.3 with an FP8 cache on SM120
-  (its only decode there), by ``flashinfer_mla.flashinfer_sparse_mla_forward``. DeepSeek-V3.2 on
+  (its decode there, and its default prefill: ``forward_extend`` calls it too), by
+  ``flashinfer_mla.flashinfer_sparse_mla_forward``. DeepSeek-V3.2 on
   SM120 is not taken: SGLang calls FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla`` for it
   directly with ``backend="trtllm-gen"`` (``dsa_backend.py`` ``_forward_trtllm``), a function every
   MLA model of the process shares;

@@ -85,8 +85,8 @@ def make_route(original, log: logging.Logger, engine: str, table=None):
             return original(*args, **kwargs)
         unknown = kwargs.keys() - FLASHMLA_KEYWORDS - SGLANG_KEYWORDS
         if unknown:
-            tell(("unknown", site.name, tuple(sorted(unknown))), "%s %s passes %s, which this library's route does "
-                 "not know: these calls run %s's FlashMLA", engine, site.name, ", ".join(sorted(unknown)), engine)
+            tell(("unknown", site.name, tuple(sorted(unknown))), "%s passes %s, which this library's route does "
+                 "not know: these calls run %s's FlashMLA", site.name, ", ".join(sorted(unknown)), engine)
             return original(*args, **kwargs)
         shape = call_shape(kwargs, site)
         if shape is None:
@@ -94,8 +94,8 @@ def make_route(original, log: logging.Logger, engine: str, table=None):
         fmt, family, tokens, entries = shape
         q = kwargs["q"]
         choice = sm90_policy.choose(family, site.real_heads, tokens, entries, rows)
-        tell((choice, site.name), "%s %s (pid %d): first call routed to %s (%s cache, %d real of %d heads, %d tokens, "
-             "%d entries; route table: %s)", engine, site.name, os.getpid(),
+        tell((choice, site.name), "%s (pid %d): first call routed to %s (%s cache, %d real of %d heads, %d tokens, "
+             "%d entries; route table: %s)", site.name, os.getpid(),
              "this library" if choice == sm90_policy.LIBRARY else f"{engine}'s FlashMLA", fmt, site.real_heads,
              q.shape[-2], tokens, entries, source)
         if choice != sm90_policy.LIBRARY:
@@ -109,6 +109,5 @@ def make_route(original, log: logging.Logger, engine: str, table=None):
             num_valid_heads=site.real_heads if site.real_heads < q.shape[-2] else None, return_lse=site.wants_lse)
 
     route.__wrapped__ = original
-    route.__name__ = getattr(original, "__name__", "flash_mla_with_kvcache")
-    route.__qualname__ = route.__name__
+    route.__qualname__ = f"route of {getattr(original, '__module__', '?')}.{getattr(original, '__qualname__', '?')}"
     return route

@@ -40,6 +40,17 @@ def _described(obj) -> str:
     return f"{module}.{getattr(obj, '__qualname__', getattr(obj, '__name__', type(obj).__name__))}"
 
 
+def _sglang_hooks() -> dict:
+    """SGLang target -> what its hook runs (SGLang's hook wrapper carries the original's name)."""
+    from . import sglang_plugin as p
+
+    return {p.SM120_TARGET: "dispatch.engines.sglang_plugin.sm120_call",
+            p.SM120_GLM_TARGET: "dispatch.engines.flashinfer_mla.flashinfer_sparse_mla_forward",
+            p.SM90_TARGET: "dispatch.engines.sm90_route (AROUND: per shape)",
+            **{path: "dispatch.engines.sites.within_site (AROUND: the layer's real heads)" for path, *_ in
+               p.SITE_HOOKS}}
+
+
 def _get(path: str):
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -86,11 +97,12 @@ def _apply(engine: str, family: str, capability) -> tuple[list[str], str | None]
             importlib.import_module("sglang.srt.plugins.hook_registry").HookRegistry.apply_hooks()
     except Exception as err:
         return [], f"{type(err).__name__}: {err}"
-    lines = []
+    lines, hooks = [], _sglang_hooks() if engine == "sglang" else {}
     for name in names:
         now = _get(name)
         state = "patched" if now is not before[name] else "NOT patched"
-        lines.append(f"    {name}: {state} -> {_described(now)}")
+        reaches = hooks[name] if name in hooks and now is not before[name] else _described(now)
+        lines.append(f"    {name}: {state} -> {reaches}")
     return lines, None
 
 
