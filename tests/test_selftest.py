@@ -158,14 +158,14 @@ def test_cases_are_the_deployment_at_each_token_count_with_full_lists():
 def test_the_variants_expected_are_those_the_plan_loads(monkeypatch):
     """What the self-test announces before running is what a plan of the call loads (its
     kernels stubbed: nothing is compiled or launched)."""
-    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+    from cute_kernels.arch import arch_facts
     from dispatch.api import validate_call
     from dispatch.runtime.plan import DecodePlan
 
     loaded = []
     monkeypatch.setattr(loader, "get_compiled", lambda variant: loaded.append(variant))
     monkeypatch.setattr(DecodePlan, "_make_kernels", lambda self, values: [])
-    target = ("sm_120a", 188, SMEM_PER_SM_BY_ARCH["sm_120a"])
+    target = ("sm_120a", 188, arch_facts("sm_120a").smem_per_sm)
     deployment = select_deployment("deepseek-v4-flash", 4, "model1_fp8", quick=True)
     cases = selftest.make_cases(deployment, tokens=(1, 64), arch="sm_120a", wanted=None, seed=0, device="cpu")
     mixed = next(c for c in cases if c.shape.shape.extra_kv_format and c.num_tokens == 64)
@@ -193,11 +193,11 @@ def test_a_whole_run_with_a_stand_in_gpu(tmp_path, monkeypatch, capsys):
     reference rounded to bf16 (within every bound), a stand-in timer; the announced kernels, the
     files, the table and the summary line, and exit status 0 (then 1 when a path is off)."""
     import dispatch
-    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+    from cute_kernels.arch import arch_facts
     from cute_kernels.sparse_mla_decode.reference import reference_decode
     from dispatch.tools import selftest_peers, timing
 
-    target = ("sm_90a", 132, SMEM_PER_SM_BY_ARCH["sm_90a"])
+    target = ("sm_90a", 132, arch_facts("sm_90a").smem_per_sm)
     gpu = {"name": "Stand-in H200", "capability": [9, 0], "arch": "sm_90a", "sms": 132}
     monkeypatch.setattr(selftest, "find_gpu", lambda: (gpu, None, None))
     make_cases, planned = selftest.make_cases, selftest.planned_variants

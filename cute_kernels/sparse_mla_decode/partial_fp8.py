@@ -99,8 +99,8 @@ class PartialFp8Kernel(PartialKernel):
 
     PATHS = ("fp8", "mxf8")  # the compute paths (``PartialConfig.precision``) this class generates
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, arch):
+        super().__init__(cfg, arch)
         self.wpg = cfg.warps_per_group
         fmt = self.fmt
         # warp wq of a group: nope tiles wq and wq + wpg, the rope dims' k16 step wq
