@@ -12,7 +12,7 @@ The kernels use warp-level ``mma.sync`` (f16 / bf16 m16n8k16 on every target), `
   the partial kernel;
 - the e4m3 conversions (``cvt.rn.f16x2.e4m3x2``, ``cvt.rn.satfinite.e4m3x2.f32``: SASS
   ``F2FP ... E4M3``): sm_89 and later. On sm_80 / sm_86 the kernels turn e4m3 bytes into f16
-  by integer operations (``warp_ops.E4m3ToF16``);
+  by integer operations (``sparse_mla_decode.warp_ops.OperandConversion``);
 - the e4m3 MMA (``mma.sync ... m16n8k32 .e4m3``): sm_89 and later (sm_90a has no such
   instruction: ptxas emulates it with f16 MMAs): the "fp8" path;
 - the block-scaled MMA (``mma.sync ... kind::mxf8f6f4.block_scale``): sm_120a / sm_121a: the

@@ -364,3 +364,37 @@ def test_plan_overrides_name_the_precision_a_register_bound_does_not_fit():
     for precision in ("bf16", "fp8", "mxf8"):
         with pytest.raises(ValueError, match=rf"overrides.two_ctas_per_sm=True .*precision is '{precision}'"):
             PlanOverrides(two_ctas_per_sm=True).check(precision)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_86", "sm_89"])
+def test_a_profile_selects_what_its_target_selects_on_a_gpu_with_more_shared_memory(target):
+    """The arch profile of ``target`` on an H200 (228 KB per SM) plans every deployment call
+    of every path the target has as the target itself does (its shared memory per SM, its
+    bounded kernels, its paths): the same variants but for the name, so that the GPU tests
+    under the profile run the kernels the target ships."""
+    from cute_kernels.arch import arch_facts
+    from dispatch.policy.registry import deployment_calls
+    from dispatch.policy.selection import select_kernels
+
+    profile = f"{target}_on_sm_90a"
+    checked = 0
+    for precision in precisions_for(target):
+        for md, sms in itertools.islice(deployment_calls(precision, target), 0, None, 97):
+            mine = select_kernels(md, target, num_sms=sms, smem_per_sm=arch_facts(target).smem_per_sm,
+                                  precision=precision)
+            theirs = select_kernels(md, profile, num_sms=sms, smem_per_sm=H200_SMEM_PER_SM, precision=precision)
+            assert [v.name + "_on_sm_90a" for v in mine.variants] == [v.name for v in theirs.variants], md
+            assert (mine.head_groups, mine.split, mine.two_ctas_per_sm) == \
+                (theirs.head_groups, theirs.split, theirs.two_ctas_per_sm)
+            checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("arch,precision,lacks", [("sm_80", "fp8", "sm_80 has no e4m3 MMA"),
+                                                  ("sm_86", "mxf8", "sm_86 has no block-scaled MMA"),
+                                                  ("sm_86_on_sm_90a", "fp8", "sm_86 (profile on sm_90a) has no e4m3 MMA")])
+def test_a_path_the_arch_lacks_is_refused_naming_the_instruction(arch, precision, lacks):
+    with pytest.raises(ValueError, match=re.escape(f"precision '{precision}' is not available on ") + ".*"
+                       + re.escape(f"({lacks} (mma.sync")):
+        resolve_precision(precision, arch)
+    assert resolve_precision(None, arch) == "f16" and resolve_precision("bf16", arch) == "bf16"

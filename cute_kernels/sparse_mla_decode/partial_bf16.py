@@ -9,7 +9,8 @@ and of the output; V3.2's rope dims (QK only) are 16 per warp, multiplied from t
 Per chunk of 32 entries:
 1. dequantize: the landed raw stage becomes the bf16 tile [32, 512] (8 x 64 swizzled atoms,
    conflict-free ``ldmatrix`` both ways); a thread converts 16 columns at a time (one 16-byte
-   load). UE8M0 formats: e4m3 times 2**(b - 127) (exact in bf16), MODEL1's bf16 rope as
+   load; without the arch's e4m3 conversion instruction, by ``warp_ops.OperandConversion``'s
+   integer operations). UE8M0 formats: e4m3 times 2**(b - 127) (exact in bf16), MODEL1's bf16 rope as
    stored. FP32-scale formats: the e4m3 values alone (exact); their scales, one per 128 dims =
    one per warp's slice, are applied after the MMA: to the warp's partial S and to P (P s,
    rounded to bf16 once), so no product of a value and an FP32 scale is ever rounded. An

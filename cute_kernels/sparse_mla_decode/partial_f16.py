@@ -14,7 +14,10 @@ Per chunk of 32 entries: QK in each warp (``ldmatrix`` of the raw rows, ``cvt`` 
 MMAs, each entry's scale applied in f32); the partial S of every warp to shared memory; the
 softmax over the first 256 threads (``softmax.SpreadSoftmax``); PV with P' = P s / R_w in f16
 (R_w the running maximum of the tile's scale) times the value fragments (``ldmatrix.trans``,
-a byte permute, ``cvt``). Three CTA barriers per chunk (four when a head's max moved). The
+a byte permute, ``cvt``). Where the arch has no e4m3 conversion instruction (sm_80, sm_86)
+integer operations and byte permutes make the same f16 operands, the values times 2**-8
+(``warp_ops.OperandConversion``), which the softmax's unit and the outputs take back. Three
+CTA barriers per chunk (four when a head's max moved). The
 formats' variants (UE8M0 per 32 dims: two scale groups per tile; FP32 scales: folded into P
 per scale group; e2m1: the scales in the value operands) are this class's branches on
 compile-time format facts.

@@ -1,4 +1,5 @@
-"""Split-K partial kernel, FP8 compute path (``PartialConfig.precision`` "fp8" or "mxf8").
+"""Split-K partial kernel, FP8 compute path (``PartialConfig.precision`` "fp8" or "mxf8";
+archs with the e4m3 MMA, sm_89 and later, and for "mxf8" the block-scaled one: ``arch.Arch``).
 
 Same work split, gather, S exchange, quad-form softmax and outputs as the "bf16" path
 (``partial.py``, ``gather.py``, ``softmax.py``, ``epilogue.py``); what differs is the MMA step.
