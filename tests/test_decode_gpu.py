@@ -461,3 +461,51 @@ def test_a_nan_code_in_a_selected_entry_makes_its_tokens_out_nan(kv_format, prec
     floor = rounding_floor(precision, q[keep], cache=cache, idx=idx[keep], kw=kw_keep, ref_out=ref_out[keep])
     check_against_reference(out[keep], lse[keep], ref_out[keep], ref_lse[keep], floor=floor, seed=seed,
                             what=f"{precision} {case} the tokens without the NaN entry")
+
+
+INTEGER_ROUTE_CASE = Case(T=6, H=32, topk=256, extra_topk=128, lengths="random", extra_lengths="random", sink="mixed",
+                          invalid=0.1, spread=8)
+
+
+@pytest.mark.parametrize("kv_format,precision", [("model1_fp8", "f16"), ("model1_nvfp4", "f16"),
+                                                 ("model1_fp8", "bf16")])
+@pytest.mark.parametrize("head_groups,num_splits", [(1, 1), (2, 4)])
+def test_the_integer_conversion_gives_the_conversion_instructions_bits(kv_format, precision, head_groups, num_splits):
+    """sm_80 / sm_86 turn e4m3 and e2m1 bytes into f16 by integer operations (the values
+    x 2**-8, e2m1 x 2**-14: ``warp_ops.OperandConversion``), which the kernels take back
+    exactly; sm_89 by the conversion instruction. The sm_80 and sm_89 profiles on this GPU
+    (both without PDL), planned with the same head groups, splits and register bound, write
+    the same bits: scaling every product by a power of two commutes with each rounding. So
+    the integer route is the instruction's to the bit, subnormal f16 operands included (the
+    tensor cores keep them). Runs in the default suite, no ``DSV4_MLA_ARCH_PROFILE`` needed."""
+    from cute_kernels.arch import PROFILES
+    from dispatch.runtime.plan import DecodePlan
+
+    own = gpu_target().isa  # the GPU's own target (under a profile too)
+    profiles = [f"sm_80_on_{own}", f"sm_89_on_{own}"]
+    if not all(p in PROFILES for p in profiles):
+        pytest.skip(f"this GPU ({own}) runs no sm_80 profile")
+    device = torch.device("cuda")
+    case = dataclasses.replace(INTEGER_ROUTE_CASE, kv_format=kv_format)
+    seed = seed_for(f"integer route {precision} {case} {head_groups} {num_splits}")
+    q, cache, idx, kw = build_inputs(case, device, seed)
+    props = torch.cuda.get_device_properties(device)
+    overrides = PlanOverrides(head_groups=head_groups, num_splits=num_splits, two_ctas_per_sm=False)
+    results = []
+    for target in profiles:
+        out = torch.full((case.T, case.H, 512), math.nan, dtype=torch.bfloat16, device=device)
+        lse = torch.full((case.T, case.H), math.nan, dtype=torch.float32, device=device)
+        call = validate_call(q, cache, idx, out=out, lse=lse, precision=precision, for_plan=True,
+                             _target=(target, props.multi_processor_count, props.shared_memory_per_multiprocessor),
+                             **kw)
+        plan = DecodePlan(call, overrides)
+        assert [v.arch for v in plan.variants] == [target] * len(plan.variants)
+        tensors = {k: v for k, v in kw.items() if k not in ("sm_scale", "kv_format", "extra_kv_format")}
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
+        results.append((out, lse))
+    torch.cuda.synchronize()
+    (out80, lse80), (out89, lse89) = results
+    assert torch.equal(out80, out89) and torch.equal(lse80, lse89), \
+        f"[seed {seed}] the integer route's bits differ from the conversion instruction's ({case})"
+    check_case(case, precision, seed, [(out80, lse80)], q, cache, idx, kw,
+               f"{precision} integer route groups={head_groups} splits={num_splits}")
