@@ -14,8 +14,6 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from .arch import FORBIDDEN_ON_SM120
-
 SASS_TOOLS = ("cuobjdump", "nvdisasm")
 INSTALL_SASS_TOOLS = "python -m pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump"
 
@@ -69,11 +67,26 @@ class CubinReport:
     static_smem_bytes: int
     local_memory_instructions: int  # LDL/STL in the SASS
     mma_counts: dict = field(default_factory=dict)  # HMMA / QMMA / OMMA ... -> count
-    forbidden: list = field(default_factory=list)
+    forbidden: list = field(default_factory=list)  # instructions the target must not contain
 
 
-def inspect_cubin(cubin: bytes) -> list[CubinReport]:
-    """One report per kernel in the cubin."""
+def forbidden_in(opcodes, forbidden) -> list[str]:
+    """The instructions of ``opcodes`` ((opcode, ".MOD.MOD..." modifiers) pairs) that an entry
+    of ``forbidden`` names: "OP" any OP instruction, "OP.MOD" an OP with the modifier MOD
+    (``Arch.forbidden_sass``); each as the opcode with its modifiers, sorted."""
+    found = set()
+    for op, mods in opcodes:
+        names = set(mods.split(".")[1:])
+        for entry in forbidden:
+            want, *need = entry.split(".")
+            if op == want and names.issuperset(need):
+                found.add(op + mods)
+    return sorted(found)
+
+
+def inspect_cubin(cubin: bytes, forbidden) -> list[CubinReport]:
+    """One report per kernel in the cubin; ``forbidden``: the SASS the target must not
+    contain (``Arch.forbidden_sass``), reported in ``CubinReport.forbidden``."""
     res, sass = _run_on_cubin(cubin, ["cuobjdump", "-res-usage"], ["nvdisasm", "-c"])
     reports = []
     for name, usage in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", res):
@@ -87,11 +100,11 @@ def inspect_cubin(cubin: bytes) -> list[CubinReport]:
         if op.endswith("MMA"):
             counts[op + mods] += 1
     local = sum(1 for op, _ in opcodes if op in ("LDL", "STL"))
-    forbidden = sorted({op for op, _ in opcodes if op in FORBIDDEN_ON_SM120})
+    found = forbidden_in(opcodes, forbidden)
     for r in reports:  # one kernel per cubin in this project; counts are per cubin
         r.local_memory_instructions = local
         r.mma_counts = dict(counts)
-        r.forbidden = forbidden
+        r.forbidden = found
     return reports
 
 

@@ -59,7 +59,7 @@ from cute_kernels.sparse_mla_decode.config import PartialConfig
 from cute_kernels.sparse_mla_decode.kv_format import PRECISIONS
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
-from dispatch.policy.occupancy import ctas_per_split
+from dispatch.policy.occupancy import bounded_f16_head_groups, ctas_per_split
 from dispatch.policy.splits import plan_splits
 from scripts.bench import GRID, list_lengths
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
@@ -83,6 +83,7 @@ class Device:
     memory_gbs: float
     smem_per_sm: int
     tensor_flop_per_sm_cycle: dict | None  # None: no tensor term (the H200 check: its rates differ)
+    arch: str = "sm_120a"  # the build it runs (``cute_kernels.arch``): its SASS and its dispatch choices
 
 
 # published specifications (boost clock, memory bandwidth); shared memory per SM as the
@@ -91,7 +92,7 @@ RTX_PRO_6000 = Device("RTX PRO 6000 Blackwell (sm_120)", 188, 2.617, 1792.0, SM1
                       TENSOR_FLOP_PER_SM_CYCLE)
 # the model's check against the H200's measurements: issue and memory only (ISSUE_RATE was
 # measured there, and there the e4m3 MMAs are emulated by f16 ones)
-H200 = Device("H200 (model check)", 132, 1.98, 4800.0, H200_SMEM_PER_SM, None)
+H200 = Device("H200 (model check)", 132, 1.98, 4800.0, H200_SMEM_PER_SM, None, "sm_90a")
 
 
 def mma_kind_flops(opcode: str) -> tuple[str, int]:
@@ -110,9 +111,9 @@ def mma_kind_flops(opcode: str) -> tuple[str, int]:
     raise ValueError(f"no SM120 rate for {opcode!r}")
 
 
-def loop_work(precision: str) -> dict:
+def loop_work(precision: str, arch: str = "sm_120a") -> dict:
     """Per head groups (1, 2): (main-loop warp-instructions per chunk of one CTA, that
-    chunk's MMA FLOPs by rate kind) of the shipped partial kernel (sm_120a) of
+    chunk's MMA FLOPs by rate kind) of the shipped partial kernel (``arch``'s build) of
     ``precision``, counted in the SASS (compiles two variants): each loop's instructions
     times the warps that run it, summed over the kernel's main loops (the "f16" kernel has
     one per warp role: 7 nope warps, 1 rope warp), each without its nested loops (the
@@ -127,7 +128,7 @@ def loop_work(precision: str) -> dict:
     out = {}
     for groups in (1, 2):
         cfg = PartialConfig(head_groups=groups, final_output=True, precision=precision)
-        compiled = compile_variant(KernelVariant(cfg, "sm_120a"), keep_cubin=True)
+        compiled = compile_variant(KernelVariant(cfg, arch), keep_cubin=True)
         loops = mma_loops(disassemble(compiled.artifacts.CUBIN))
         if precision == "f16":  # the nope loop runs f16 MMAs, the rope loop bf16 ones
             (nope,) = [lp for lp in loops if "HMMA.16816.F32" in lp.mma_kinds]
@@ -150,7 +151,8 @@ def model_us(T: int, H: int, shape: str, dev: Device, work: dict,
     """(estimate, issue_us, tensor_us, memory_us) for one shape on ``dev``; ``work`` from
     ``loop_work(precision)``."""
     topk, extra = list_lengths(shape)
-    cfg = partial_shape_config(H, T, dev.num_sms, precision, topk=topk, extra_topk=extra, smem_per_sm=dev.smem_per_sm)
+    cfg = partial_shape_config(H, T, dev.num_sms, precision, topk=topk, extra_topk=extra, smem_per_sm=dev.smem_per_sm,
+                               bounded_head_groups=bounded_f16_head_groups(dev.arch))
     split = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=dev.num_sms, smem_per_sm=dev.smem_per_sm)
     ctas = ctas_per_split(T, H, cfg) * split.num_splits
     chunks_per_sm = math.ceil(ctas / dev.num_sms) * split.chunks_per_split

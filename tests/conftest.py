@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cute_kernels.arch import BLOCK_SCALED_ARCHS, DEPLOYMENT_ARCHS, arch_for_capability
+from cute_kernels.arch import DEPLOYMENT_ARCHS, arch_facts, arch_for_capability
 
 # the tests never write into the user's JIT cache
 os.environ.setdefault("DSV4_MLA_CACHE_DIR", tempfile.mkdtemp(prefix="dsv4_mla_test_jit_"))
@@ -13,16 +13,34 @@ from tests.tolerances import ACCURACY
 
 ROOT = Path(__file__).resolve().parents[1]
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "e4m3_mma: needs the e4m3 MMA, sm_89 and later (skipped elsewhere, and under "
+                                       "the sm_80 / sm_86 arch profiles)")
+
+
+def gpu_target():
+    """The ``cute_kernels.arch.Arch`` the GPU runs (under ``DSV4_MLA_ARCH_PROFILE``, the
+    profile), or None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    arch = arch_for_capability(torch.cuda.get_device_capability())
+    return None if arch is None else arch_facts(arch)
+
+
 def pytest_collection_modifyitems(config, items):
     gpu = torch.cuda.is_available()
-    block_scaled = gpu and arch_for_capability(torch.cuda.get_device_capability()) in BLOCK_SCALED_ARCHS
+    target = gpu_target()
     no_gpu = pytest.mark.skip(reason="no CUDA GPU on this machine")
-    no_block_scaled = pytest.mark.skip(reason="needs SM120's block-scaled MMA (an sm_120a / sm_121a GPU)")
+    # the paths an arch lacks: their tests skip (marker -> the Arch field that says it has them)
+    needs = {"block_scaled": "block_scaled_mma", "e4m3_mma": "e4m3_mma"}
     for item in items:
         if "gpu" in item.keywords and not gpu:
             item.add_marker(no_gpu)
-        elif "block_scaled" in item.keywords and not block_scaled:
-            item.add_marker(no_block_scaled)
+            continue
+        for marker, feature in needs.items():
+            if marker in item.keywords and (target is None or target.lacks(feature)):
+                why = target.lacks(feature) if target is not None else "no supported GPU"
+                item.add_marker(pytest.mark.skip(reason=f"needs the {marker} path's instruction: {why}"))
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cute_kernels.sparse_mla_decode import cache_writers, kv_format
-from cute_kernels.sparse_mla_decode.config import PATH_ARCHS, PartialConfig
+from cute_kernels.sparse_mla_decode.config import PATH_NEEDS, PartialConfig
 from cute_kernels.sparse_mla_decode.kv_format import (
     EXTRA_FORMATS, FORMATS, PRECISIONS, V41_FP8, V41_NVFP4, formats_of_width, path_problem,
 )
@@ -64,10 +64,14 @@ def test_the_pairings_are_the_models_combinations():
         assert extra in FORMATS[main].extras, (main, extra)
 
 
-def test_mxf8_is_compiled_only_where_the_block_scaled_mma_is():
-    assert precisions_for("sm_90a") == ("bf16", "f16", "fp8")
+def test_each_path_is_compiled_only_where_its_instruction_is():
+    """"mxf8" needs the block-scaled MMA (sm_120a / sm_121a), "fp8" the e4m3 MMA (sm_89 and
+    later); "bf16" and "f16" run everywhere; a profile has its target's paths."""
+    assert precisions_for("sm_80") == precisions_for("sm_86") == ("bf16", "f16")
+    assert precisions_for("sm_89") == precisions_for("sm_90a") == ("bf16", "f16", "fp8")
     assert precisions_for("sm_120a") == precisions_for("sm_121a") == ("bf16", "f16", "fp8", "mxf8")
-    assert set(PATH_ARCHS) == {"mxf8"}
+    assert precisions_for("sm_80_on_sm_90a") == ("bf16", "f16")
+    assert PATH_NEEDS == {"fp8": "e4m3_mma", "mxf8": "block_scaled_mma"}
 
 
 def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypatch):

@@ -16,13 +16,13 @@ import math
 import pytest
 import torch
 
-from cute_kernels.arch import arch_for_capability
 from cute_kernels.sparse_mla_decode.cache_view import read_cache_view
 from cute_kernels.sparse_mla_decode.kv_format import get_format
 from cute_kernels.sparse_mla_decode.reference import reference_decode
 from dispatch import PlanOverrides, plan_sparse_mla_decode, sparse_mla_decode, validate_call
 from dispatch.policy.selection import select_for_call
-from dispatch.policy.occupancy import two_bounded_f16_ctas_fit
+from dispatch.policy.occupancy import bounded_f16_head_groups, two_bounded_f16_ctas_fit
+from tests.conftest import gpu_target
 from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.inputs import lengths_of, sink_of
 from tests.tolerances import ACCURACY, check_against_reference, rounding_floor, seed_for
@@ -248,8 +248,9 @@ def run_twice(case: Case, q, idx, call, seed: int) -> list:
 
 
 PRECISIONS = ["bf16", "f16", "fp8", "mxf8"]
-DECODE_CASES = ([pytest.param(c, p, id=f"{p}-{c}", marks=[pytest.mark.block_scaled] if p == "mxf8" else [])
-                 for c in CASES for p in PRECISIONS]
+# the paths some archs lack: their cases skip there (``tests/conftest.py``)
+PATH_MARKS = {"fp8": [pytest.mark.e4m3_mma], "mxf8": [pytest.mark.block_scaled]}
+DECODE_CASES = ([pytest.param(c, p, id=f"{p}-{c}", marks=PATH_MARKS.get(p, [])) for c in CASES for p in PRECISIONS]
                 + [pytest.param(c, "f16", id=f"f16-{c}") for c in NVFP4_CASES + V41_CASES + MIXED_CASES]
                 # the "bf16" path reads the V4.1 FP8 records too (not the NVFP4 ones)
                 + [pytest.param(c, "bf16", id=f"bf16-{c}") for c in V41_CASES
@@ -319,9 +320,10 @@ def test_f16_two_head_groups_match_reference(case: Case):
 # indices late, as without the bound: ``tuning.f16_late_indices``)
 @pytest.mark.parametrize("case", TWO_GROUP_CASES, ids=str)
 def test_f16_two_head_groups_with_register_bound_match_reference(case: Case):
-    if not two_bounded_f16_ctas_fit(torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor,
-                                    case.kv_format):
-        pytest.skip("this GPU's SMs hold one such CTA: no bounded variant is built for it")
+    target = gpu_target()  # an arch profile: its target's shared memory and bounded kernels
+    smem = min(torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor, target.smem_per_sm)
+    if not two_bounded_f16_ctas_fit(smem, case.kv_format, 2, bounded_f16_head_groups(target.name)):
+        pytest.skip(f"{target.label} plans no bounded 32-head kernel (an SM holds one, or it would spill)")
     plan = _forced_f16_plan_matches_reference(case, "groups=2 bounded",
                                               PlanOverrides(head_groups=2, two_ctas_per_sm=True))
     cfg = plan.variants[0].config
@@ -377,20 +379,24 @@ def test_allocates_outputs_with_leading_shape():
     check_case(case, "f16", seed, [(out.view(6, 16, 512), lse.view(6, 16))], q, cache, idx, kw, "leading shape")
 
 
-def test_block_scaled_form_is_refused_where_the_gpu_lacks_it():
-    """precision="mxf8" (SM120's block-scaled MMA) on a GPU without it: refused before any
-    launch, naming the arch, and the outputs are untouched."""
-    from cute_kernels.arch import BLOCK_SCALED_ARCHS
+@pytest.mark.parametrize("precision,feature", [("mxf8", "block_scaled_mma"), ("fp8", "e4m3_mma")])
+def test_a_path_is_refused_where_the_gpu_lacks_its_instruction(precision, feature):
+    """precision="mxf8" (SM120's block-scaled MMA) or "fp8" (the e4m3 MMA, sm_89 and later) on
+    a GPU (or an arch profile) without it: refused before any launch, naming the arch and the
+    instruction it lacks, and the outputs are untouched."""
+    import re
+
     from dispatch import InvalidDecodeInput
 
     device = torch.device("cuda")
-    arch = arch_for_capability(torch.cuda.get_device_capability(device))
-    if arch in BLOCK_SCALED_ARCHS:
-        pytest.skip(f"{arch} has the block-scaled MMA")
-    q, cache, idx, kw = build_inputs(Case(T=2, H=16, topk=64), device, seed_for("mxf8 refused"))
+    target = gpu_target()
+    if not target.lacks(feature):
+        pytest.skip(f"{target.label} has the {precision!r} path's instruction")
+    q, cache, idx, kw = build_inputs(Case(T=2, H=16, topk=64), device, seed_for(f"{precision} refused"))
     out = torch.full((2, 16, 512), math.nan, dtype=torch.bfloat16, device=device)
-    with pytest.raises(InvalidDecodeInput, match=f"'mxf8' is not available on {arch}"):
-        sparse_mla_decode(q, cache, idx, out=out, precision="mxf8", **kw)
+    with pytest.raises(InvalidDecodeInput, match=re.escape(f"'{precision}' is not available on {target.label} "
+                                                           f"({target.lacks(feature)})")):
+        sparse_mla_decode(q, cache, idx, out=out, precision=precision, **kw)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
 
@@ -446,3 +452,89 @@ def test_a_merged_call_takes_at_most_65535_heads():
             plan_sparse_mla_decode(q, cache, idx, out=out, overrides=PlanOverrides(num_splits=2))
         torch.cuda.synchronize()
         assert torch.isnan(out).all(), f"[seed {seed}] a refused call wrote out"
+
+
+@pytest.mark.parametrize("kv_format,precision", [
+    ("model1_fp8", "f16"), ("model1_fp8", "bf16"), pytest.param("model1_fp8", "fp8", marks=pytest.mark.e4m3_mma),
+    ("model1_nvfp4", "f16"),
+])
+def test_a_nan_code_in_a_selected_entry_makes_its_tokens_out_nan(kv_format, precision):
+    """The formats' NaN bytes as the formats define them (e4m3 0x7F / 0xFF; for NVFP4 an E4M3
+    scale byte 0x7F, what the V4.1 FP4 writer stores for a group holding a NaN), on every
+    path and arch route (the instruction, or sm_80 / sm_86's integer operations with their NaN
+    test): one entry of token 1 made NaN makes that token's out NaN in every head, as in the
+    float64 reference, and leaves every other token as the reference has it. (That token's
+    lse is not compared: the epilogue reads a NaN row sum as an empty row's.)"""
+    device = torch.device("cuda")
+    case = Case(T=4, H=16, topk=96, kv_format=kv_format)
+    seed = seed_for(f"nan code {precision} {case}")
+    q, cache, idx, kw = build_inputs(case, device, seed)
+    view = read_cache_view(cache, kv_format)
+    slot = int(idx[1, 5])
+    others = torch.cat([idx[:1], idx[2:]])
+    others[others == slot] = int(idx[1, 6]) if int(idx[1, 6]) != slot else -1
+    idx = torch.cat([others[:1], idx[1:2], others[1:]])
+    block, row = divmod(slot, view.page_block_size)
+    fmt = view.fmt
+    if fmt.e2m1:  # the E4M3 scale of the entry's first 16 values, in its footer record
+        view.blocks[block, case.page * fmt.row_bytes + row * fmt.footer_bytes] = 0x7F
+    else:  # a value in its second nope tile, a negative NaN
+        view.blocks[block, row * view.row_stride + 100] = 0xFF
+    out, lse = sparse_mla_decode(q, cache, idx, precision=precision, **kw)
+    ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
+    torch.cuda.synchronize()
+    assert torch.isnan(ref_out[1]).all() and not torch.isnan(ref_out[[0, 2, 3]]).any()
+    assert torch.isnan(out[1].float()).all(), f"[seed {seed}] a NaN code in token 1's entries: its out is not NaN"
+    keep = [0, 2, 3]
+    kw_keep = {k: (v[keep] if k in ("topk_length",) and v is not None else v) for k, v in kw.items()}
+    floor = rounding_floor(precision, q[keep], cache=cache, idx=idx[keep], kw=kw_keep, ref_out=ref_out[keep])
+    check_against_reference(out[keep], lse[keep], ref_out[keep], ref_lse[keep], floor=floor, seed=seed,
+                            what=f"{precision} {case} the tokens without the NaN entry")
+
+
+INTEGER_ROUTE_CASE = Case(T=6, H=32, topk=256, extra_topk=128, lengths="random", extra_lengths="random", sink="mixed",
+                          invalid=0.1, spread=8)
+
+
+@pytest.mark.parametrize("kv_format,precision", [("model1_fp8", "f16"), ("model1_nvfp4", "f16"),
+                                                 ("model1_fp8", "bf16")])
+@pytest.mark.parametrize("head_groups,num_splits", [(1, 1), (2, 4)])
+def test_the_integer_conversion_gives_the_conversion_instructions_bits(kv_format, precision, head_groups, num_splits):
+    """sm_80 / sm_86 turn e4m3 and e2m1 bytes into f16 by integer operations (the values
+    x 2**-8, e2m1 x 2**-14: ``warp_ops.OperandConversion``), which the kernels take back
+    exactly; sm_89 by the conversion instruction. The sm_80 and sm_89 profiles on this GPU
+    (both without PDL), planned with the same head groups, splits and register bound, write
+    the same bits: scaling every product by a power of two commutes with each rounding. So
+    the integer route is the instruction's to the bit, subnormal f16 operands included (the
+    tensor cores keep them). Runs in the default suite, no ``DSV4_MLA_ARCH_PROFILE`` needed."""
+    from cute_kernels.arch import PROFILES
+    from dispatch.runtime.plan import DecodePlan
+
+    own = gpu_target().isa  # the GPU's own target (under a profile too)
+    profiles = [f"sm_80_on_{own}", f"sm_89_on_{own}"]
+    if not all(p in PROFILES for p in profiles):
+        pytest.skip(f"this GPU ({own}) runs no sm_80 profile")
+    device = torch.device("cuda")
+    case = dataclasses.replace(INTEGER_ROUTE_CASE, kv_format=kv_format)
+    seed = seed_for(f"integer route {precision} {case} {head_groups} {num_splits}")
+    q, cache, idx, kw = build_inputs(case, device, seed)
+    props = torch.cuda.get_device_properties(device)
+    overrides = PlanOverrides(head_groups=head_groups, num_splits=num_splits, two_ctas_per_sm=False)
+    results = []
+    for target in profiles:
+        out = torch.full((case.T, case.H, 512), math.nan, dtype=torch.bfloat16, device=device)
+        lse = torch.full((case.T, case.H), math.nan, dtype=torch.float32, device=device)
+        call = validate_call(q, cache, idx, out=out, lse=lse, precision=precision, for_plan=True,
+                             _target=(target, props.multi_processor_count, props.shared_memory_per_multiprocessor),
+                             **kw)
+        plan = DecodePlan(call, overrides)
+        assert [v.arch for v in plan.variants] == [target] * len(plan.variants)
+        tensors = {k: v for k, v in kw.items() if k not in ("sm_scale", "kv_format", "extra_kv_format")}
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
+        results.append((out, lse))
+    torch.cuda.synchronize()
+    (out80, lse80), (out89, lse89) = results
+    assert torch.equal(out80, out89) and torch.equal(lse80, lse89), \
+        f"[seed {seed}] the integer route's bits differ from the conversion instruction's ({case})"
+    check_case(case, precision, seed, [(out80, lse80)], q, cache, idx, kw,
+               f"{precision} integer route groups={head_groups} splits={num_splits}")

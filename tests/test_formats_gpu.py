@@ -192,7 +192,8 @@ def _run_case(case: Case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", [pytest.param(c, id=str(c), marks=[pytest.mark.e4m3_mma] if c.precision == "fp8" else [])
+                                  for c in CASES])
 def test_format_matches_reference(case: Case):
     _run_case(case)
 

@@ -35,7 +35,7 @@ _SERVE_REGISTRY = textwrap.dedent("""
     from pathlib import Path
     import dispatch
     from dispatch.runtime import loader
-    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+    from cute_kernels.arch import arch_facts
     from dispatch.policy.registry import deployment_calls
     from dispatch.policy.selection import select_kernels
     from dispatch.policy.precision import precisions_for
@@ -45,7 +45,7 @@ _SERVE_REGISTRY = textwrap.dedent("""
     for arch in ("sm_120a", "sm_121a"):
         for precision in precisions_for(arch):
             for md, sms in deployment_calls(precision, arch):  # each call's kernels, as a plan selects them
-                chosen = select_kernels(md, arch, num_sms=sms, smem_per_sm=SMEM_PER_SM_BY_ARCH[arch],
+                chosen = select_kernels(md, arch, num_sms=sms, smem_per_sm=arch_facts(arch).smem_per_sm,
                                         precision=precision)
                 planned.update(chosen.variants)
     for v in sorted(planned, key=lambda v: v.name):

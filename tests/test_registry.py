@@ -8,7 +8,7 @@ import hashlib
 import pytest
 import torch
 
-from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+from cute_kernels.arch import arch_facts
 from cute_kernels.sparse_mla_decode.config import MergeConfig, merge_batch_for
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 from dispatch.policy.call_metadata import DecodeMetadata
@@ -108,7 +108,7 @@ def test_registry_is_what_plans_select(monkeypatch, arch):
     from dispatch.api import validate_call
 
     _stub_kernels(monkeypatch)
-    smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
+    smem_per_sm = arch_facts(arch).smem_per_sm
     registry = set(registry_variants(arch))
     caches, seen = {}, set()
     for precision in precisions_for(arch):
@@ -160,7 +160,7 @@ def test_registry_is_what_plans_select(monkeypatch, arch):
 def test_every_variant_a_mixed_deployment_call_selects_is_in_the_variant_space(arch):
     """Every deployment call of two formats (each registry pairing, every compute path both
     formats have) selects only variants of ``variant_space(arch)``: the AOT build has them."""
-    space, smem, pairs = set(variant_space(arch)), SMEM_PER_SM_BY_ARCH[arch], {}
+    space, smem, pairs = set(variant_space(arch)), arch_facts(arch).smem_per_sm, {}
     for precision in precisions_for(arch):
         for md, sms in deployment_calls(precision, arch):
             if md.mixed:

@@ -118,3 +118,21 @@ def test_chained_mma_ignores_an_mma_a_latency_or_more_after_the_one_it_reads():
         return ".L_x_0:\n" + "\n".join(lines) + "\n"
     assert mma_loops(loop(CHAIN_WINDOW - 2))[0].chained_mma == 1
     assert mma_loops(loop(CHAIN_WINDOW - 1))[0].chained_mma == 0
+
+
+def test_forbidden_instructions_match_by_opcode_and_modifier():
+    """An entry "OP" names every OP instruction, "OP.MOD" an OP with MOD among its modifiers
+    (``Arch.forbidden_sass``): the e4m3 conversion and PDL's instructions on sm_80, nothing
+    of an sm_120a f16 kernel's mix on sm_120a."""
+    from cute_kernels.arch import ARCHS
+    from cute_kernels.sass_check import forbidden_in
+
+    opcodes = [("F2FP", ".F16.E4M3.UNPACK_B"), ("F2FP", ".BF16.F32.PACK_AB"), ("HMMA", ".16816.F32"),
+               ("PREEXIT", ""), ("ACQBULK", ""), ("QMMA", ".SF.16832.F32.E4M3.E4M3.E8"), ("LOP3", ".LUT")]
+    assert forbidden_in(opcodes, ARCHS["sm_80"].forbidden_sass) == [
+        "ACQBULK", "F2FP.F16.E4M3.UNPACK_B", "PREEXIT", "QMMA.SF.16832.F32.E4M3.E4M3.E8"]
+    assert forbidden_in(opcodes, ARCHS["sm_89"].forbidden_sass) == [
+        "ACQBULK", "PREEXIT", "QMMA.SF.16832.F32.E4M3.E4M3.E8"]
+    assert forbidden_in(opcodes, ARCHS["sm_120a"].forbidden_sass) == []
+    assert forbidden_in([("HGMMA", ".64x128x16.F32")], ARCHS["sm_120a"].forbidden_sass) == ["HGMMA.64x128x16.F32"]
+    assert forbidden_in([("F2FP", ".BF16.F32.PACK_AB")], ("F2FP.E4M3",)) == []

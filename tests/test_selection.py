@@ -249,14 +249,19 @@ def test_register_bound_only_where_two_ctas_share_an_sm(T, H, topk, extra):
         assert partial in variant_space(arch)
 
 
-def test_every_supported_arch_has_its_shared_memory_per_sm():
-    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH, SUPPORTED_ARCHS
+def test_the_bounded_variants_are_where_an_sm_holds_two_of_them():
+    from cute_kernels.arch import SUPPORTED_ARCHS
 
-    assert set(SMEM_PER_SM_BY_ARCH) == set(SUPPORTED_ARCHS)
     for arch in SUPPORTED_ARCHS:  # the 128-register variants only where an SM holds two CTAs
-        held = {v.config.kv_format for v in variant_space(arch) if v.kind == "partial" and v.config.two_ctas_per_sm}
-        # only the 256-thread "f16" kernels, MODEL1 FP8's and NVFP4's
-        assert held == ({MODEL1, MODEL1_NVFP4.name} if arch == "sm_90a" else set())
+        held = {(v.config.kv_format, v.config.head_groups) for v in variant_space(arch)
+                if v.kind == "partial" and v.config.two_ctas_per_sm}
+        # only the 256-thread "f16" kernels, MODEL1 FP8's and NVFP4's: both head-group counts on
+        # the H200 (228 KB per SM); on sm_80 (164 KB) the 16-head ones (MODEL1 FP8's 32-head
+        # CTA, 86,160 bytes, does not fit twice; NVFP4's does, but spills at 128 registers, and
+        # sm_80's binaries ship); none with 100 KB
+        expected = {"sm_90a": {(f, g) for f in (MODEL1, MODEL1_NVFP4.name) for g in (1, 2)},
+                    "sm_80": {(MODEL1, 1), (MODEL1_NVFP4.name, 1)}}.get(arch, set())
+        assert held == expected, arch
 
 
 def test_resident_ctas_per_sm():
@@ -359,3 +364,37 @@ def test_plan_overrides_name_the_precision_a_register_bound_does_not_fit():
     for precision in ("bf16", "fp8", "mxf8"):
         with pytest.raises(ValueError, match=rf"overrides.two_ctas_per_sm=True .*precision is '{precision}'"):
             PlanOverrides(two_ctas_per_sm=True).check(precision)
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_86", "sm_89"])
+def test_a_profile_selects_what_its_target_selects_on_a_gpu_with_more_shared_memory(target):
+    """The arch profile of ``target`` on an H200 (228 KB per SM) plans every deployment call
+    of every path the target has as the target itself does (its shared memory per SM, its
+    bounded kernels, its paths): the same variants but for the name, so that the GPU tests
+    under the profile run the kernels the target ships."""
+    from cute_kernels.arch import arch_facts
+    from dispatch.policy.registry import deployment_calls
+    from dispatch.policy.selection import select_kernels
+
+    profile = f"{target}_on_sm_90a"
+    checked = 0
+    for precision in precisions_for(target):
+        for md, sms in itertools.islice(deployment_calls(precision, target), 0, None, 97):
+            mine = select_kernels(md, target, num_sms=sms, smem_per_sm=arch_facts(target).smem_per_sm,
+                                  precision=precision)
+            theirs = select_kernels(md, profile, num_sms=sms, smem_per_sm=H200_SMEM_PER_SM, precision=precision)
+            assert [v.name + "_on_sm_90a" for v in mine.variants] == [v.name for v in theirs.variants], md
+            assert (mine.head_groups, mine.split, mine.two_ctas_per_sm) == \
+                (theirs.head_groups, theirs.split, theirs.two_ctas_per_sm)
+            checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("arch,precision,lacks", [("sm_80", "fp8", "sm_80 has no e4m3 MMA"),
+                                                  ("sm_86", "mxf8", "sm_86 has no block-scaled MMA"),
+                                                  ("sm_86_on_sm_90a", "fp8", "sm_86 (profile on sm_90a) has no e4m3 MMA")])
+def test_a_path_the_arch_lacks_is_refused_naming_the_instruction(arch, precision, lacks):
+    with pytest.raises(ValueError, match=re.escape(f"precision '{precision}' is not available on ") + ".*"
+                       + re.escape(f"({lacks} (mma.sync")):
+        resolve_precision(precision, arch)
+    assert resolve_precision(None, arch) == "f16" and resolve_precision("bf16", arch) == "bf16"

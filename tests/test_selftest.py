@@ -158,14 +158,14 @@ def test_cases_are_the_deployment_at_each_token_count_with_full_lists():
 def test_the_variants_expected_are_those_the_plan_loads(monkeypatch):
     """What the self-test announces before running is what a plan of the call loads (its
     kernels stubbed: nothing is compiled or launched)."""
-    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+    from cute_kernels.arch import arch_facts
     from dispatch.api import validate_call
     from dispatch.runtime.plan import DecodePlan
 
     loaded = []
     monkeypatch.setattr(loader, "get_compiled", lambda variant: loaded.append(variant))
     monkeypatch.setattr(DecodePlan, "_make_kernels", lambda self, values: [])
-    target = ("sm_120a", 188, SMEM_PER_SM_BY_ARCH["sm_120a"])
+    target = ("sm_120a", 188, arch_facts("sm_120a").smem_per_sm)
     deployment = select_deployment("deepseek-v4-flash", 4, "model1_fp8", quick=True)
     cases = selftest.make_cases(deployment, tokens=(1, 64), arch="sm_120a", wanted=None, seed=0, device="cpu")
     mixed = next(c for c in cases if c.shape.shape.extra_kv_format and c.num_tokens == 64)
@@ -193,11 +193,11 @@ def test_a_whole_run_with_a_stand_in_gpu(tmp_path, monkeypatch, capsys):
     reference rounded to bf16 (within every bound), a stand-in timer; the announced kernels, the
     files, the table and the summary line, and exit status 0 (then 1 when a path is off)."""
     import dispatch
-    from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+    from cute_kernels.arch import arch_facts
     from cute_kernels.sparse_mla_decode.reference import reference_decode
     from dispatch.tools import selftest_peers, timing
 
-    target = ("sm_90a", 132, SMEM_PER_SM_BY_ARCH["sm_90a"])
+    target = ("sm_90a", 132, arch_facts("sm_90a").smem_per_sm)
     gpu = {"name": "Stand-in H200", "capability": [9, 0], "arch": "sm_90a", "sms": 132}
     monkeypatch.setattr(selftest, "find_gpu", lambda: (gpu, None, None))
     make_cases, planned = selftest.make_cases, selftest.planned_variants
@@ -571,6 +571,9 @@ def test_flashmla_says_why_it_does_not_run(monkeypatch):
 # ---------------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
 def test_quick_selftest_on_the_gpu(tmp_path, capsys):
+    from dispatch.policy.precision import format_precisions
+    from tests.conftest import gpu_target
+
     status = selftest.main(["--model", "glm-5.3", "--tp", "4", "--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "dsv4-mla-selftest.json").read_text())
     assert status == selftest.EXIT_OK == data["exit_status"]
@@ -578,7 +581,8 @@ def test_quick_selftest_on_the_gpu(tmp_path, capsys):
     rows = data["rows"]
     assert [r["num_tokens"] for r in rows] == list(selftest.QUICK_TOKENS)
     assert all(r["num_heads"] == 16 and r["kv_format"] == "glm_nope_fp8" for r in rows)
-    assert data["paths"][0] == "f16" and set(data["paths"]) >= {"f16", "bf16", "fp8"}
+    # the GPU's paths (an arch profile's: its target's) for GLM-5.3's rows, the default first
+    assert data["paths"][0] == "f16" and set(data["paths"]) == set(format_precisions(gpu_target().name, "glm_nope_fp8"))
     for r in rows:
         assert set(r["paths"]) == set(data["paths"]) and set(r["peers"]) == {"FlashInfer", "FlashMLA"}
         for entry in r["paths"].values():
@@ -589,3 +593,42 @@ def test_quick_selftest_on_the_gpu(tmp_path, capsys):
     assert used and set(used) == set(data["kernels"]["expected"]) and "not loaded" not in used.values()
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("dsv4-mla-selftest: ") and "accuracy PASS" in out
+
+
+# ---------------------------------------------------------------------- Ampere and Ada
+@pytest.mark.parametrize("capability,arch,paths", [((8, 0), "sm_80", ["f16", "bf16"]), ((8, 6), "sm_86", ["f16", "bf16"]),
+                                                   ((8, 7), "sm_80", ["f16", "bf16"]),
+                                                   ((8, 9), "sm_89", ["f16", "bf16", "fp8"])])
+def test_an_8x_gpu_is_found_with_its_own_paths_and_the_peers_say_they_do_not_run_there(capability, arch, paths,
+                                                                                        monkeypatch, capsys):
+    """On a compute capability 8.x GPU (the device stood in for on the CPU): found as its target
+    (8.7, Orin, as sm_80), its cases take the arch's paths only (no "fp8" without the e4m3 MMA),
+    ``--precision fp8`` is refused naming them, and FlashInfer's and FlashMLA's calls say they
+    do not run there."""
+    from dispatch import api
+
+    props = types.SimpleNamespace(major=capability[0], minor=capability[1], multi_processor_count=84,
+                                  shared_memory_per_multiprocessor=102400)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in 8.x GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("DSV4_MLA_ARCH_PROFILE", raising=False)
+    api.device_target.cache_clear()
+    try:
+        gpu, status, line = selftest.find_gpu()
+    finally:
+        api.device_target.cache_clear()
+    assert status is None and line is None and gpu["arch"] == arch and gpu["capability"] == list(capability)
+    cases = selftest.make_cases(select_deployment("glm-5.3", 4), tokens=(1,), arch=arch, wanted=None, seed=0,
+                                device="cpu")
+    assert cases and all(case.paths == paths for case in cases)
+    if "fp8" not in paths:
+        args = selftest.build_parser().parse_args(["--model", "glm-5.3", "--precision", "fp8"])
+        assert selftest.run(args, select_deployment("glm-5.3", 1), gpu) == ({}, selftest.EXIT_USAGE)
+        assert f"--precision fp8: not a compute path of {arch} (its paths: f16, bf16)" in capsys.readouterr().err
+    assert flashinfer_call(*_inputs(H=64), arch=arch, workspace=WORKSPACE).unavailable == (
+        f"FlashInfer's SM120 sparse MLA kernels run on sm_120 / sm_121 only (this GPU: {arch})")
+    assert flashmla_call(*_inputs(H=64), arch=arch).unavailable == (
+        f"FlashMLA's sparse decode runs on sm_90 / sm_100 only (this GPU: {arch})")

@@ -183,7 +183,7 @@ def test_one_shot_call_can_be_captured():
     _check(out, lse, q, cache, idx, kw, seed)
 
 
-@pytest.mark.parametrize("precision", [None, "fp8"])
+@pytest.mark.parametrize("precision", [None, pytest.param("fp8", marks=pytest.mark.e4m3_mma)])
 def test_torch_compile_fullgraph(precision):
     gen, seed = _gen(f"torch.compile {precision}")
     q, cache, idx, kw = _inputs(T=4, gen=gen)
@@ -238,7 +238,7 @@ def test_flashinfer_adapter_conventions():
     _check(out_nat, lse_nat, q, cache, idx, ref_kw, seed, "trtllm_batch_decode_sparse_mla_dsv4")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "f16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "f16", pytest.param("fp8", marks=pytest.mark.e4m3_mma)])
 def test_out_of_range_indices_are_never_read(precision):
     gen, seed = _gen(f"out of range {precision}")
     cache = make_cache(8, 64, device=DEV, gen=gen)

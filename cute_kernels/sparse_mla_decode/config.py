@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import BLOCK_SCALED_ARCHS, MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
+from ..arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
 from . import tuning
 from .kv_format import DEFAULT_FORMAT, D_V, KvFormat, get_format, path_refusal
 from .smem import Region, SmemPlan
 
-# the compute paths compiled only for some archs (the others: for every supported arch)
-PATH_ARCHS = {"mxf8": BLOCK_SCALED_ARCHS}  # SM120's block-scaled MMA
+# the compute paths that need an instruction some archs lack: the ``arch.Arch`` field that
+# says whether an arch has it (the others run on every arch)
+PATH_NEEDS = {"fp8": "e4m3_mma", "mxf8": "block_scaled_mma"}
 HEAD_GROUPS = (1, 2)  # 16-head groups one partial-kernel CTA can cover (PartialConfig.head_groups)
 FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 4 for the rope dims)
 # "f16" path: the softmax runs on 8 warps (the nope warps, and MODEL1's rope warp with them)
@@ -187,7 +188,7 @@ class PartialConfig:
                              f"loads assume 16 e4m3 bytes, 16-byte aligned, per thread (partial_bf16.py)")
         if self.stages not in (2, 3):
             raise ValueError(f"num_stages {self.stages} must be 2 or 3 (the cp.async group order of the gather)")
-        if self.smem_bytes() > SMEM_PER_CTA_MAX:
+        if self.smem_bytes() > SMEM_PER_CTA_MAX:  # the smallest of the targets': one configuration serves all
             raise ValueError(f"{self} needs {self.smem_bytes()} bytes of shared memory > {SMEM_PER_CTA_MAX}")
 
     @property

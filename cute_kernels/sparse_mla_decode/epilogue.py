@@ -13,6 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
+from ..arch import Arch
 from .config import PartialConfig
 from .device_utils import LN_2, load_f32, sink_gate, store_f32
 from .kv_format import D_V
@@ -28,16 +29,18 @@ def quad_allreduce(val, op):
 class Epilogue:
     """The prologue and output steps of one ``PartialConfig``."""
 
-    def __init__(self, cfg: PartialConfig):
+    def __init__(self, cfg: PartialConfig, arch: Arch):
         self.cfg = cfg
         self.hb = cfg.heads_per_cta
+        self.pdl = arch.pdl
 
     @cute.jit
     def start(self, num_heads: Int32):
-        """The kernel's first step: in split mode, let the merge kernel (a programmatic
-        dependent launch) get its CTAs onto the SMs as this grid's last wave starts (it waits
-        for this grid to finish before reading). Returns (thread, token, head block, split)."""
-        if const_expr(not self.cfg.final_output):
+        """The kernel's first step: in split mode, where the arch has PDL, let the merge kernel
+        (a programmatic dependent launch) get its CTAs onto the SMs as this grid's last wave
+        starts (it waits for this grid to finish before reading). Returns (thread, token,
+        head block, split)."""
+        if const_expr(not self.cfg.final_output and self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         token, head_block, split = self.block_coords(num_heads)

@@ -9,8 +9,10 @@ One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
     sink  : out *= 1 / (1 + exp(sink_h - lse)); lse unchanged
     empty : (every split empty) out = 0, lse = +inf
 
-It is launched as a programmatic dependent of the partial kernel (its CTAs start while the
-partial kernel's last wave runs, and wait for it before reading), and loads the first
+Where the arch has programmatic dependent launch (``Arch.pdl``) it is launched as a
+dependent of the partial kernel (its CTAs start while the partial kernel's last wave runs,
+and wait for it before reading); elsewhere it is an ordinary launch, which the stream starts
+after the partial kernel has finished. It loads the first
 ``split_batch`` splits' partial outputs together with the lse values: one round trip for a
 call with up to that many splits (``tuning.MERGE_BATCHES``, ``docs/tuning.md``).
 """
@@ -22,6 +24,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.memory import SmemAllocator
 
+from ..arch import Arch
 from .config import MergeConfig
 from .device_utils import LN_2, load_f32, sink_gate, store_f32
 from .kernel_args import MERGE_ARGS, KernelParams, fake_args, launcher_signature
@@ -31,9 +34,10 @@ from .kv_format import D_V
 class MergeKernel:
     """The combine kernel for one ``MergeConfig``; ``__call__`` is the ``cute.jit`` launcher."""
 
-    def __init__(self, cfg: MergeConfig):
+    def __init__(self, cfg: MergeConfig, arch: Arch):
         cfg.check()
         self.cfg = cfg
+        self.pdl = arch.pdl
         self.vec = D_V // cfg.num_threads
 
     def fake_args(self) -> list:
@@ -44,7 +48,7 @@ class MergeKernel:
         """Launch on the arguments of ``MERGE_ARGS``, in order, the stream last (``__call__``)."""
         p = KernelParams(MERGE_ARGS, args)
         self.kernel(p.for_device()).launch(grid=(p.num_tokens, p.num_heads, 1), block=(self.cfg.num_threads, 1, 1),
-                                           stream=args[-1], use_pdl=True)
+                                           stream=args[-1], use_pdl=self.pdl)
 
     # the cute.jit entry point, with the schema's named, typed parameters
     __call__ = cute.jit(launcher_signature(MERGE_ARGS)(_launch))
@@ -57,8 +61,9 @@ class MergeKernel:
             p.out, p.out_stride_t, p.out_stride_h, p.lse, p.lse_stride_t, p.lse_stride_h)
         # Launched as a programmatic dependent of the partial kernel (PDL): its CTAs may start
         # while the partial kernel's last wave runs; nothing is read before every partial CTA
-        # has finished and its writes are visible.
-        cute.arch.griddepcontrol_wait()
+        # has finished and its writes are visible. (Without PDL the launch itself waits.)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         token, head, _ = cute.arch.block_idx()
         gLse = cute.make_tensor(

@@ -32,7 +32,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
-from .config import PartialConfig
+from ..arch import Arch
+from .config import PATH_NEEDS, PartialConfig
 from .epilogue import Epilogue, quad_allreduce
 from .gather import ChunkGather
 from .kernel_args import PARTIAL_ARGS, KernelParams, fake_args, launcher_signature
@@ -40,17 +41,22 @@ from .warp_ops import ldsm_x4, mma_bf16, pack_bf16x2
 
 
 class PartialKernel:
-    """The partial kernel of one ``PartialConfig``: its launch (``__call__``, the ``cute.jit``
-    entry point) and the parts every path uses. A path subclass defines ``kernel(self, p,
-    *operands)`` (``p``: the ``KernelParams`` of ``PARTIAL_ARGS``) and, where it needs layouts
-    or MMA atoms built on the host side, ``kernel_operands``."""
+    """The partial kernel of one ``PartialConfig`` for one target ``Arch``: its launch
+    (``__call__``, the ``cute.jit`` entry point) and the parts every path uses. A path
+    subclass defines ``kernel(self, p, *operands)`` (``p``: the ``KernelParams`` of
+    ``PARTIAL_ARGS``) and, where it needs layouts or MMA atoms built on the host side,
+    ``kernel_operands``."""
 
     # the first of the 32 threads that issue a chunk's indices (``ChunkGather``)
     INDEX_THREAD0 = 0
 
-    def __init__(self, cfg: PartialConfig, index_chunks: int | None = None):
+    def __init__(self, cfg: PartialConfig, arch: Arch, index_chunks: int | None = None):
         cfg.check()
+        missing = arch.lacks(PATH_NEEDS[cfg.precision]) if cfg.precision in PATH_NEEDS else None
+        if missing:
+            raise ValueError(f"precision {cfg.precision!r}: {missing}")
         self.cfg = cfg
+        self.arch = arch
         self.fmt = cfg.fmt  # the cache format: its layout is compiled in
         self.hb = cfg.heads_per_cta  # heads per CTA (all groups)
         self.hg = cfg.heads_per_group  # heads per group: the MMA M tile
@@ -61,7 +67,7 @@ class PartialKernel:
         self.slots = cfg.slot_buffers  # index / validity-mask buffers
         self.smem_plan = cfg.smem_plan()
         self.gather = ChunkGather(cfg, self.INDEX_THREAD0, index_chunks)
-        self.epilogue = Epilogue(cfg)
+        self.epilogue = Epilogue(cfg, arch)
 
     def fake_args(self) -> list:
         """Stand-ins for every ``__call__`` argument, to compile with no tensors and no GPU."""

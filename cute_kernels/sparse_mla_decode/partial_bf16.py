@@ -9,7 +9,8 @@ and of the output; V3.2's rope dims (QK only) are 16 per warp, multiplied from t
 Per chunk of 32 entries:
 1. dequantize: the landed raw stage becomes the bf16 tile [32, 512] (8 x 64 swizzled atoms,
    conflict-free ``ldmatrix`` both ways); a thread converts 16 columns at a time (one 16-byte
-   load). UE8M0 formats: e4m3 times 2**(b - 127) (exact in bf16), MODEL1's bf16 rope as
+   load; without the arch's e4m3 conversion instruction, by ``warp_ops.OperandConversion``'s
+   integer operations). UE8M0 formats: e4m3 times 2**(b - 127) (exact in bf16), MODEL1's bf16 rope as
    stored. FP32-scale formats: the e4m3 values alone (exact); their scales, one per 128 dims =
    one per warp's slice, are applied after the MMA: to the warp's partial S and to P (P s,
    rounded to bf16 once), so no product of a value and an FP32 scale is ever rounded. An
@@ -37,13 +38,13 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Uint8, const_expr
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
-from .device_utils import load_smem_u8, smem_scalar
+from .device_utils import load_smem_u8, smem_scalar, smem_vec
 from .kernel_args import KernelParams
 from .kv_format import D_V
 from .partial import PartialKernel
 from .softmax import exchange_s, quad_online_softmax
 from .tuning import DEQUANT_VALUES
-from .warp_ops import ue8m0_scale
+from .warp_ops import OperandConversion, f16x2_to_f32, ue8m0_scale
 
 
 class PartialBf16Kernel(PartialKernel):
@@ -51,8 +52,11 @@ class PartialBf16Kernel(PartialKernel):
 
     PATHS = ("bf16",)  # the compute paths (``PartialConfig.precision``) this class generates
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, arch):
+        super().__init__(cfg, arch)
+        # e4m3 bytes to numbers: the DSL's conversion (the e4m3 conversion instruction), or,
+        # where the arch lacks it, integer operations (``OperandConversion``)
+        self.conv = OperandConversion(arch.e4m3_cvt)
         self.wpg = cfg.warps_per_group
         self.wslice = D_V // cfg.warps_per_group  # QK and output columns per warp
         fmt = self.fmt
@@ -234,17 +238,33 @@ class PartialBf16Kernel(PartialKernel):
         """DEQUANT_VALUES e4m3 values of ``row`` from column ``col`` to bf16: UE8M0 times their
         scale (exact), FP32 alone (the scale comes after the MMA)."""
         fmt = self.fmt
-        f8 = cute.make_tensor(
-            cute.make_ptr(Float8E4M3FN, stage_base + row * self.gather.row_pitch + col, cute.AddressSpace.smem,
-                          assumed_align=16),
-            cute.make_layout(DEQUANT_VALUES),
-        )
-        if const_expr(self.fp32_scales):
-            dst.store(f8.load().to(Float32).to(BFloat16))
-        else:
+        addr = stage_base + row * self.gather.row_pitch + col
+        factor = None
+        if const_expr(not self.fp32_scales):
             factor = ue8m0_scale(load_smem_u8(stage_base + self.gather.scale_start + row * self.gather.scale_pitch
                                               + col // fmt.scale_group))
-            dst.store((f8.load().to(Float32) * factor).to(BFloat16))
+        values = self._e4m3_values(addr)
+        if const_expr(self.fp32_scales):
+            dst.store(values.to(BFloat16))
+        else:
+            dst.store((values * factor).to(BFloat16))
+
+    @cute.jit
+    def _e4m3_values(self, addr):
+        """The DEQUANT_VALUES e4m3 values at shared address ``addr`` (16-byte aligned) as f32:
+        the DSL's conversion (the e4m3 conversion instruction), or, where the arch lacks it,
+        4 bytes at a time as exact f16 pairs (``OperandConversion.e4m3x4_exact``), then f32."""
+        if const_expr(self.conv.by_instruction):
+            return cute.make_tensor(cute.make_ptr(Float8E4M3FN, addr, cute.AddressSpace.smem, assumed_align=16),
+                                    cute.make_layout(DEQUANT_VALUES)).load().to(Float32)
+        words = cute.make_rmem_tensor(DEQUANT_VALUES // 4, Int32)
+        cute.autovec_copy(smem_vec(Int32, addr, DEQUANT_VALUES // 4), words)
+        f32 = cute.make_rmem_tensor(DEQUANT_VALUES, Float32)
+        for w in cutlass.range_constexpr(DEQUANT_VALUES // 4):
+            pairs = self.conv.e4m3x4_exact(words[w])
+            for h in cutlass.range_constexpr(2):
+                f32[4 * w + 2 * h], f32[4 * w + 2 * h + 1] = f16x2_to_f32(pairs[h])
+        return f32.load()
 
     @cute.jit
     def _copy_rope(self, dst, stage_base, row, col):

@@ -14,7 +14,10 @@ Per chunk of 32 entries: QK in each warp (``ldmatrix`` of the raw rows, ``cvt`` 
 MMAs, each entry's scale applied in f32); the partial S of every warp to shared memory; the
 softmax over the first 256 threads (``softmax.SpreadSoftmax``); PV with P' = P s / R_w in f16
 (R_w the running maximum of the tile's scale) times the value fragments (``ldmatrix.trans``,
-a byte permute, ``cvt``). Three CTA barriers per chunk (four when a head's max moved). The
+a byte permute, ``cvt``). Where the arch has no e4m3 conversion instruction (sm_80, sm_86)
+integer operations and byte permutes make the same f16 operands, the values times 2**-8
+(``warp_ops.OperandConversion``), which the softmax's unit and the outputs take back. Three
+CTA barriers per chunk (four when a head's max moved). The
 formats' variants (UE8M0 per 32 dims: two scale groups per tile; FP32 scales: folded into P
 per scale group; e2m1: the scales in the value operands) are this class's branches on
 compile-time format facts.
@@ -43,8 +46,8 @@ from .epilogue import quad_allreduce
 from .partial import PartialKernel
 from .softmax import SpreadSoftmax
 from .warp_ops import (
-    E2M1_F16_EXP, byte_perm, e2m1x8_to_e4m3x8, e4m3x4_to_f16x2, f32_bits, f32_from_bits, ldsm_x4, mma_bf16,
-    mma_f16, mul_f16x2, pack_f16x2, pow2_f32, pow2_f32_bits, rcp_approx, ue8m0_scale, warp_max_u32,
+    OperandConversion, byte_perm, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_f16x2,
+    pow2_f32, pow2_f32_bits, rcp_approx, ue8m0_scale, warp_max_u32,
 )
 
 Q_F16_EXP = 14  # Q's nope dims times 2**(14 - E): the head's largest lands in [2**14, 2**15)
@@ -59,7 +62,7 @@ class PartialF16Kernel(PartialKernel):
 
     PATHS = ("f16",)  # the compute paths (``PartialConfig.precision``) this class generates
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, arch):
         fmt = cfg.fmt
         # warps 0 .. nope_tiles - 1: a nope tile each; the next, the "rope warp": the rope dims
         # (where the format has them) and the main loop's gather, with its indices
@@ -82,7 +85,11 @@ class PartialF16Kernel(PartialKernel):
         # stages ahead (their own group); with stages + 1 buffers a late issue in chunk c
         # writes chunk c's index buffer (its indices were located at chunk c - stages + 1)
         self.late_indices = tuning.f16_late_indices(cfg.head_groups, cfg.two_ctas_per_sm)
-        super().__init__(cfg, index_chunks=cfg.stages + int(self.late_indices))
+        super().__init__(cfg, arch, index_chunks=cfg.stages + int(self.late_indices))
+        # e4m3 / e2m1 bytes to f16 operands: by the conversion instruction, or by integer
+        # operations (sm_80, sm_86: the operands are the values x 2**-8 / 2**-14, which the
+        # softmax's nope unit and the outputs' units take back)
+        self.conv = OperandConversion(arch.e4m3_cvt)
         # 8-entry row groups of the next chunk the rope warp issues right after the chunk-head
         # barrier; the rest after the softmax
         self.early_row_groups = tuning.EARLY_ROW_GROUPS[cfg.head_groups]
@@ -306,7 +313,7 @@ class PartialF16Kernel(PartialKernel):
                 else:
                     for nb in tiles:
                         kb = ldsm_x4(stage_base + k_row + 8 * nb * pitch, trans=False)
-                        b[nb] = [e4m3x4_to_f16x2(kb[i]) for i in range(4)]
+                        b[nb] = [self.conv.e4m3x4(kb[i]) for i in range(4)]
                 for m in cutlass.range_constexpr(mt):
                     # per n tile and scale group h of the tile (k16 steps 4 h / nr ..): a chain of MMAs
                     d = {nb: [[Float32(0.0)] * 4 for _ in range(nr)] for nb in tiles}
@@ -376,18 +383,21 @@ class PartialF16Kernel(PartialKernel):
 
         if const_expr(self.e2m1):
             # e2m1: column 64 w + 32 p + 8 q + 4 h + c of row (m, r) is accumulator ((m * 2 + p) * 4 + c)
-            # * 4 + 2 r + h, in units of 2**-6 (``E2M1_F16_EXP``); stored 4 columns at a time, as
-            # the other formats' (``out`` rows are only 8-byte aligned)
+            # * 4 + 2 r + h, in units of 2**-e2m1_exp (``OperandConversion``); stored 4 columns at a
+            # time, as the other formats' (``out`` rows are only 8-byte aligned)
             def pieces(m, r):
                 return [(w * UNIT + 32 * p + 8 * qd + 4 * h, [((m * 2 + p) * 4 + c) * 4 + 2 * r + h for c in range(4)], 0)
                         for p in range(2) for h in range(2)]
 
-            units = [Float32(2.0 ** E2M1_F16_EXP)]
+            units = [Float32(2.0 ** self.conv.e2m1_exp)]
+            acc_exp = 0
         elif const_expr(self.fp32_scales):
             units = [f32_from_bits(r_run[0])]
+            acc_exp = self.conv.e4m3_exp
         else:  # scale group h's accumulators are in units of its R
             units = [ue8m0_scale(r_run[h]) for h in range(nr)]
-        self._store_outputs(acc_O, units, pieces, bases, out, lane)
+            acc_exp = self.conv.e4m3_exp
+        self._store_outputs(acc_O, units, pieces, bases, out, lane, acc_exp)
 
     @cute.jit
     def _entry_scale(self, sbytes, sf, k: int, h: int = 0) -> Float32:
@@ -405,10 +415,11 @@ class PartialF16Kernel(PartialKernel):
     def _e2m1_qk_fragments(self, k_addr, scale_base, nb: int, w, lane) -> dict:
         """e2m1 (NVFP4): the f16 B fragments of n tiles nb and nb + 1 of this warp's tile, the
         E4M3 scales multiplied in (exact: value x scale has at most 6 significant bits and
-        value x scale x 2**-6 is at least 2**-16, above f16's smallest subnormal). One
-        ``ldmatrix.x4`` at ``k_addr`` gives register 2 t + p = bytes 4q..4q+3 of piece p (32
-        columns) of entry 8 (nb + t) + g: columns 32p + 8q + {0..7}; as e4m3
-        (``e2m1x8_to_e4m3x8``) and f16, the pairs (8q + 4h, 8q + 4h + 2) and (8q + 4h + 1,
+        value x scale x 2**-e2m1_exp is a multiple of 2**-24, f16's smallest subnormal: 2**-16
+        or, without the conversion instruction, 2**-24 at the least). One ``ldmatrix.x4`` at
+        ``k_addr`` gives register 2 t + p = bytes 4q..4q+3 of piece p (32 columns) of entry
+        8 (nb + t) + g: columns 32p + 8q + {0..7}; as f16 (``OperandConversion.e2m1x8``), the
+        pairs (8q + 4h, 8q + 4h + 2) and (8q + 4h + 1,
         8q + 4h + 3) are k16 step 2p + h's b0 and b1 (the Q columns the kernel loads in that
         order). Returns {n tile: [[b0, b1] per k16 step]}."""
         g = lane // 4
@@ -418,11 +429,10 @@ class PartialF16Kernel(PartialKernel):
         for t in cutlass.range_constexpr(2):
             # the entry's scales of groups 4w + 2p + q // 2 (p = 0, 1), each as an f16 pair
             word = _smem_scalar(Int32, scale_base + (8 * (nb + t) + g) * self.gather.scale_pitch + 4 * w)[0]
-            sc = e4m3x4_to_f16x2(byte_perm(word, Int32(0), 0x2200 + 0x1111 * (qd // 2)))
+            sc = self.conv.e4m3x4_exact(byte_perm(word, Int32(0), 0x2200 + 0x1111 * (qd // 2)))
             steps = []
             for p in cutlass.range_constexpr(2):
-                lo, hi = e2m1x8_to_e4m3x8(kb[2 * t + p])
-                even, odd = e4m3x4_to_f16x2(lo), e4m3x4_to_f16x2(hi)  # columns 0, 2 | 4, 6 and 1, 3 | 5, 7
+                even, odd = self.conv.e2m1x8(kb[2 * t + p])  # columns 0, 2 | 4, 6 and 1, 3 | 5, 7
                 steps += [[mul_f16x2(even[h], sc[p]), mul_f16x2(odd[h], sc[p])] for h in range(2)]
             frags[nb + t] = steps
         return frags
@@ -444,13 +454,14 @@ class PartialF16Kernel(PartialKernel):
             e0 = scale_base + (8 * j + 2 * qd) * fb + 4 * w
             w0 = _smem_scalar(Int32, e0)[0]
             w1 = _smem_scalar(Int32, e0 + fb)[0]
-            sp.append(e4m3x4_to_f16x2(byte_perm(w0, w1, 0x6240 + 0x1111 * (g // 4))))
+            # (a NaN scale made the entry's P NaN already: its QK)
+            sp.append(self.conv.e4m3x4_exact(byte_perm(w0, w1, 0x6240 + 0x1111 * (g // 4)), nan=False))
         for p in cutlass.range_constexpr(2):
             vfrag = ldsm_x4(v_base + 16 * p, trans=True)
             cols = []  # per matrix j: the pairs of columns [0, 2, 1, 3]
             for j in cutlass.range_constexpr(4):
-                lo, hi = e2m1x8_to_e4m3x8(vfrag[j])
-                cols.append(e4m3x4_to_f16x2(lo, PAIR_COLUMNS) + e4m3x4_to_f16x2(hi, PAIR_COLUMNS))
+                even, odd = self.conv.e2m1x8(vfrag[j], PAIR_COLUMNS)
+                cols.append(even + odd)
             for c in cutlass.range_constexpr(4):
                 at = (c % 2) * 2 + c // 2  # column c's pair in ``cols[j]``
                 bv = [mul_f16x2(cols[j][at], sp[j][p]) for j in range(4)]
@@ -495,7 +506,8 @@ class PartialF16Kernel(PartialKernel):
         for blk in range(4):
             pa = pas[blk * self.tile_r // 4]
             vfrag = ldsm_x4(v_base + 16 * blk, trans=True)
-            bv = [e4m3x4_to_f16x2(vfrag[k], PAIR_COLUMNS) for k in range(4)]  # [even column, odd column]
+            # [even column, odd column]; a NaN value byte's entry has a NaN P already (its QK)
+            bv = [self.conv.e4m3x4(vfrag[k], PAIR_COLUMNS, nan=False) for k in range(4)]
             for parity in range(2):
                 for m in range(self.groups):
                     base = ((m * 4 + blk) * 2 + parity) * 4
@@ -637,9 +649,10 @@ class PartialF16Kernel(PartialKernel):
     @cute.jit
     def _softmax_state(self, sAmax, tidx, sm_scale_log2):
         """This thread's state of the spread softmax (``SpreadSoftmax.state``): the nope
-        partials of head row h are in units of 2**(E_h - 14) (Q's f16 scale), times 2**6 for
-        e2m1 operands (value x 2**-6)."""
-        b_exp = E2M1_F16_EXP if self.e2m1 else 0  # e2m1 operands are value x 2**-6
+        partials of head row h are in units of 2**(E_h - 14) (Q's f16 scale), times 2**exp
+        for K operands that are the values x 2**-exp (``OperandConversion``: e2m1 x 2**-6,
+        and without the conversion instruction e4m3 x 2**-8, e2m1 x 2**-14)."""
+        b_exp = self.conv.e2m1_exp if self.e2m1 else self.conv.e4m3_exp
         return self.softmax.state(tidx, lambda hrow: self._head_exponent(sAmax, hrow) - Q_F16_EXP + b_exp,
                                   sm_scale_log2)
 
@@ -663,10 +676,12 @@ class PartialF16Kernel(PartialKernel):
         cute.arch.sync_threads()
 
     @cute.jit
-    def _store_outputs(self, acc_O, units, pieces, bases, out, lane):
+    def _store_outputs(self, acc_O, units, pieces, bases, out, lane, acc_exp: int = 0):
         """This thread's output values, in units of ``units[u]`` times each head's gate:
         ``pieces(m, r)`` lists (first column, accumulator indices of adjacent columns, u) of
-        row r of m tile m."""
+        row r of m tile m. ``acc_exp``: the accumulators are first times 2**acc_exp (value
+        operands that were the values x 2**-acc_exp; a separate exact multiply, so that no
+        unit times it can overflow)."""
         g = lane // 4
         gate_base = bases.gate
         head0, num_heads = out.head0, out.num_heads
@@ -679,5 +694,7 @@ class PartialF16Kernel(PartialKernel):
                     gate = _smem_scalar(Float32, gate_base + hrow * 4)[0]
                     fg = [gate * unit for unit in units]
                     for col, idx, u in pieces(m, r):
-                        self.epilogue.store_out([acc_O[k] * fg[u] for k in idx], col, *out_ctx, head0 + hrow,
-                                                *tail_ctx)
+                        vals = [acc_O[k] for k in idx]
+                        if const_expr(acc_exp != 0):
+                            vals = [v * (2.0 ** acc_exp) for v in vals]
+                        self.epilogue.store_out([v * fg[u] for v in vals], col, *out_ctx, head0 + hrow, *tail_ctx)

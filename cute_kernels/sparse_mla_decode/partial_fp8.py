@@ -1,4 +1,5 @@
-"""Split-K partial kernel, FP8 compute path (``PartialConfig.precision`` "fp8" or "mxf8").
+"""Split-K partial kernel, FP8 compute path (``PartialConfig.precision`` "fp8" or "mxf8";
+archs with the e4m3 MMA, sm_89 and later, and for "mxf8" the block-scaled one: ``arch.Arch``).
 
 Same work split, gather, S exchange, quad-form softmax and outputs as the "bf16" path
 (``partial.py``, ``gather.py``, ``softmax.py``, ``epilogue.py``); what differs is the MMA step.
@@ -99,8 +100,8 @@ class PartialFp8Kernel(PartialKernel):
 
     PATHS = ("fp8", "mxf8")  # the compute paths (``PartialConfig.precision``) this class generates
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, arch):
+        super().__init__(cfg, arch)
         self.wpg = cfg.warps_per_group
         fmt = self.fmt
         # warp wq of a group: nope tiles wq and wq + wpg, the rope dims' k16 step wq

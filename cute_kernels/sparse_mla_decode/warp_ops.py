@@ -4,7 +4,10 @@ These paths feed the tensor cores straight from the gathered cache rows and from
 built in the kernel (converted or quantized Q, the probabilities), in fragment orders the
 kernels choose (``partial_f16.py``, ``partial_fp8.py``), so they work on 32-bit fragment
 registers rather than on CuTe fragments. Everything here is one PTX instruction or a short fixed
-sequence; the target needs sm_89+ (e4m3 MMA and conversions), ``mma_mxf8`` sm_120a/sm_121a.
+sequence. ``mma_e4m3``, ``pack_e4m3x4``, ``quantize_two_terms`` and ``e4m3x4_to_f16x2`` need the
+e4m3 instructions (sm_89+), ``mma_mxf8`` the block-scaled MMA (sm_120a / sm_121a); on an arch
+without the e4m3 conversion, ``OperandConversion`` makes the f16 operands by integer operations
+(``arch.Arch`` has the facts).
 
 Fragment conventions (PTX ISA, ``mma.m16n8k32`` with .e4m3, ``mma.m16n8k16`` with .bf16;
 g = lane / 4, q = lane % 4):
@@ -192,8 +195,8 @@ def e4m3x4_to_f16x2(x: Int32, selector: int = 0x3210) -> list:
 # e2m1 -> f16 in registers, by way of e4m3: nibble ``s ee m`` as the e4m3 byte ``s 00ee m00``
 # is the e4m3 value e2m1 x 2**-6 (codes 0-1 the e4m3 subnormals 0 and 2**-7, codes 2-7
 # exponent fields 1-3), which ``cvt.rn.f16x2.e4m3x2`` turns into f16 exactly. Integer shifts
-# and masks, then the conversion the e4m3 formats use: the same instructions on sm_90 and
-# sm_120 (no e2m1 conversion instruction is needed).
+# and masks, then the conversion the e4m3 formats use (no e2m1 conversion instruction is
+# needed). Without that conversion: ``e2m1x8_to_f16_bytes``.
 E2M1_F16_EXP = 6
 
 
@@ -210,6 +213,13 @@ def e2m1x8_to_e4m3x8(x):
 def pack_f16x2(x0: Float32, x1: Float32) -> Int32:
     """Two floats rounded to f16 (nearest even; subnormals kept, beyond range to inf), x0 in the low half."""
     return Int32(_asm([Int32.mlir_type], [Float32(x1), Float32(x0)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+def f16x2_to_f32(x: Int32) -> list:
+    """The two f16 halves of ``x`` as f32 (exact), the low half first."""
+    lo, hi = _asm([Float32.mlir_type] * 2, [Int32(x)],
+                  "{\n.reg .f16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h;\n}", "=f,=f,r")
+    return [Float32(lo), Float32(hi)]
 
 
 def mul_f16x2(a: Int32, b: Int32) -> Int32:
@@ -230,3 +240,106 @@ def rcp_approx(x: Float32) -> Float32:
     """1 / x to within one ulp (``rcp.approx.ftz.f32``: one MUFU.RCP; x normal, results below
     2**-126 flushed to 0)."""
     return Float32(_asm([Float32.mlir_type], [Float32(x)], "rcp.approx.ftz.f32 $0, $1;", "=f,f"))
+
+
+# ---------------------------------------------------------------------- without the e4m3 conversion
+# An e4m3 byte ``s eeee mmm`` at f16's bit positions, ``s 0eeee mmm0000000``, is the f16 of its
+# value x 2**-8, normals and subnormals alike: the exponent field keeps its value and f16's
+# bias is 8 more (15 against 7); an e4m3 subnormal, 2**-6 x m / 8, lands on the f16 subnormal
+# 2**-14 x m / 8. The NaN bytes (``s 1111 111``) would land on a finite f16 (1.875): they get
+# f16's top exponent bit as well, so that they are f16 NaN as they are e4m3 NaN.
+E4M3_INTEGER_F16_EXP = 8
+# e2m1: nibble ``s ee m`` at f16's bit positions ``s 000ee m000000000`` is e2m1 x 2**-14
+# (code 1, 0.5, the f16 subnormal 2**-15): the high byte ``s 000 eem 0`` and a zero low byte
+E2M1_INTEGER_F16_EXP = 14
+F16X2_256 = 0x5C005C00  # (256.0, 256.0) as f16x2
+
+
+def e4m3x4_to_f16_bytes(x, nan: bool = True):
+    """The f16 of each of the four e4m3 bytes of ``x`` (the value x 2**-8; with ``nan``, NaN
+    for NaN, else a NaN byte's f16 is finite) as two registers: byte i of the first is the
+    high byte of f16 i, byte i of the second its low byte (``_f16_pairs`` puts them together).
+    Plain shifts, masks and an add, so that it also runs on Python ints (the low 32 bits: the
+    test of every byte, ``tests/test_operand_conversion.py``)."""
+    if nan:  # bits 6..0 of each byte as they are, bit 7 the carry of them + 1: set for NaN (all ones)
+        marked = _bitselect(-0x7F7F7F80, (x & 0x7F7F7F7F) + 0x01010101, x)
+    else:
+        marked = x & 0x7F7F7F7F
+    high = _bitselect(-0x7F7F7F80, x, marked >> 1)  # s, the NaN bit, eeee, mm
+    low = (x << 7) & -0x7F7F7F80  # the last mantissa bit
+    return high, low
+
+
+def _bitselect(mask, a, b):
+    """The bits of ``a`` where ``mask`` is set, of ``b`` elsewhere: one ``LOP3`` (written so,
+    rather than as (a & mask) | (b & ~mask), which ptxas built from two)."""
+    return b ^ ((b ^ a) & mask)
+
+
+def e2m1x8_to_f16_bytes(x):
+    """The 8 e2m1 nibbles of ``x`` as the high bytes of f16 of e2m1 x 2**-14 (the low bytes
+    are 0), in two registers as ``e2m1x8_to_e4m3x8`` orders them: (the low nibbles of bytes
+    0..3, the high nibbles). Runs on Python ints too."""
+    lo = ((x << 4) & -0x7F7F7F80) | ((x << 1) & 0x0E0E0E0E)
+    hi = (x & -0x7F7F7F80) | ((x >> 3) & 0x0E0E0E0E)
+    return lo, hi
+
+
+def f16_pair_selectors(selector: int) -> tuple[int, int]:
+    """The ``prmt.b32`` selectors of ``_f16_pairs``: bytes (s0, s1) and (s2, s3) of the input
+    (``selector``'s nibbles, as ``e4m3x4_to_f16x2`` takes it) as two f16x2, each f16's high
+    byte from the first source (bytes 0..3), its low byte from the second (bytes 4..7)."""
+    nib = [(selector >> 4 * i) & 0xF for i in range(4)]
+    if any(n > 3 for n in nib):
+        raise ValueError(f"selector {selector:#x} must pick bytes 0..3 of one register")
+    return tuple((4 + a) | a << 4 | (4 + b) << 8 | b << 12 for a, b in ((nib[0], nib[1]), (nib[2], nib[3])))
+
+
+def _f16_pairs(high: Int32, low: Int32, selector: int) -> list:
+    """Two f16x2 registers from the high and low bytes of four f16 (``f16_pair_selectors``)."""
+    return [byte_perm(high, low, sel) for sel in f16_pair_selectors(selector)]
+
+
+class OperandConversion:
+    """How a kernel turns cache bytes into f16 MMA operands on its arch: by the e4m3
+    conversion instruction where the arch has it (``arch.Arch.e4m3_cvt``: the e4m3 values as
+    they are, e2m1 x 2**-6), else by integer operations (e4m3 x 2**-8, e2m1 x 2**-14: every
+    value exact, subnormals included). ``e4m3_exp`` / ``e2m1_exp``: the operands are the
+    values times 2**-exp, which the kernel puts back into its partial scores' and outputs'
+    units. Each method takes a register of packed bytes and a byte selector as
+    ``e4m3x4_to_f16x2`` does."""
+
+    def __init__(self, by_instruction: bool):
+        self.by_instruction = by_instruction
+        self.e4m3_exp = 0 if by_instruction else E4M3_INTEGER_F16_EXP
+        self.e2m1_exp = E2M1_F16_EXP if by_instruction else E2M1_INTEGER_F16_EXP
+
+    def e4m3x4(self, x, selector: int = 0x3210, nan: bool = True) -> list:
+        """Two f16x2 of e4m3 x 2**-``e4m3_exp``: [bytes s0, s1], [bytes s2, s3]. Without the
+        instruction about 10 integer instructions per register (the NaN test 3 of them, a
+        ``prmt`` per pair) against 2 conversions. ``nan=False``: a NaN byte may come out
+        finite, which the value operands allow: every value byte is a key byte too, whose
+        NaN has made its entry's score, and so its P, NaN already."""
+        if self.by_instruction:
+            return e4m3x4_to_f16x2(x, selector)
+        high, low = e4m3x4_to_f16_bytes(Int32(x), nan)
+        return _f16_pairs(high, low, selector)
+
+    def e4m3x4_exact(self, x, selector: int = 0x3210, nan: bool = True) -> list:
+        """``e4m3x4`` with the values as they are (integer route: times 256 by one
+        ``mul.rn.f16x2`` per pair, exact: |e4m3| <= 448)."""
+        pairs = self.e4m3x4(x, selector, nan)
+        if self.by_instruction:
+            return pairs
+        return [mul_f16x2(r, Int32(F16X2_256)) for r in pairs]
+
+    def e2m1x8(self, x, selector: int = 0x3210) -> tuple:
+        """The 8 e2m1 values of ``x`` as f16 x 2**-``e2m1_exp``: (the low nibbles' two f16x2,
+        the high nibbles'), bytes picked by ``selector``. The same count either way: 7 integer
+        instructions for the 8 nibbles, then a conversion, or a ``prmt``, per pair."""
+        if self.by_instruction:
+            lo, hi = e2m1x8_to_e4m3x8(x)
+            return e4m3x4_to_f16x2(lo, selector), e4m3x4_to_f16x2(hi, selector)
+        lo, hi = e2m1x8_to_f16_bytes(Int32(x))
+        zero = Int32(0)
+        return _f16_pairs(lo, zero, selector), _f16_pairs(hi, zero, selector)

@@ -16,12 +16,15 @@ from .splits import plan_splits, two_ctas_per_sm
 
 
 def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, topk: int, extra_topk: int = 0,
-                    smem_per_sm: int, precision: str = DEFAULT_PRECISION, kv_format: str = DEFAULT_FORMAT) -> int:
+                    smem_per_sm: int, precision: str = DEFAULT_PRECISION, kv_format: str = DEFAULT_FORMAT,
+                    bounded_head_groups: tuple[int, ...] = HEAD_GROUPS) -> int:
     """16-head groups per CTA (``docs/tuning.md`` has the measurements behind each rule).
 
     16 or fewer heads: one. "f16" where an SM holds two of the format's 128-register CTAs of
     either size (MODEL1 on the H200: ``occupancy.two_bounded_f16_ctas_fit``; a format whose
-    "f16" kernel cannot be bounded never is): ``_bounded_f16_head_groups``.
+    "f16" kernel cannot be bounded never is, nor one whose 32-head kernel is not bounded on
+    the arch, ``bounded_head_groups``: ``occupancy.bounded_f16_head_groups``, sm_80):
+    ``_bounded_f16_head_groups``.
     Otherwise two when the 16-head blocks (tokens x ceil(heads / 16)) outnumber the SMs, or
     when there are at least ``*_TWO_GROUPS_MIN_BLOCKS`` of them and at least
     ``*_TWO_GROUPS_MIN_ENTRIES`` entries per token ("f16" where an SM holds one CTA anyway,
@@ -32,7 +35,7 @@ def head_groups_for(num_heads: int, num_tokens: int, num_sms: int, *, topk: int,
     if num_heads <= 16:
         return 1
     if precision == "f16":
-        if two_bounded_f16_ctas_fit(smem_per_sm, kv_format):
+        if all(two_bounded_f16_ctas_fit(smem_per_sm, kv_format, g, bounded_head_groups) for g in HEAD_GROUPS):
             return _bounded_f16_head_groups(num_heads, num_tokens, num_sms, topk, extra_topk, smem_per_sm, kv_format)
         min_blocks, min_entries = F16_TWO_GROUPS_MIN_BLOCKS, F16_TWO_GROUPS_MIN_ENTRIES
     else:
@@ -73,16 +76,20 @@ def _bounded_f16_head_groups(num_heads: int, num_tokens: int, num_sms: int, topk
 
 def partial_shape_config(num_heads: int, num_tokens: int, num_sms: int,
                          precision: str = DEFAULT_PRECISION, *, topk: int, extra_topk: int = 0, smem_per_sm: int,
-                         head_groups: int | None = None, kv_format: str = DEFAULT_FORMAT) -> PartialConfig:
+                         head_groups: int | None = None, kv_format: str = DEFAULT_FORMAT,
+                         bounded_head_groups: tuple[int, ...] = HEAD_GROUPS) -> PartialConfig:
     """The partial kernel's format, shape fields (head groups, block_n, warps) and precision
     for a call on a GPU of ``num_sms`` SMs with ``smem_per_sm`` bytes of shared memory each:
     what the split plan depends on (the flags of a variant do not change its resources). The
-    "f16" kernel (either head-group count) of a format that can bound it
-    (``occupancy.f16_bound_allowed``) is planned as two CTAs per SM where the SM holds two
+    "f16" kernel of a format that can bound it (``occupancy.f16_bound_allowed``), of one of
+    the arch's ``bounded_head_groups`` (``occupancy.bounded_f16_head_groups``: both counts
+    but where the binaries ship), is planned as two CTAs per SM where the SM holds two
     (``two_ctas_per_sm``; the launch then drops that bound where the grid has no more CTAs
     than SMs: ``splits.two_ctas_per_sm``). ``head_groups``: that many instead of
     ``head_groups_for``'s choice (a measurement aid: ``scripts/bench.py --head-groups``)."""
     groups = head_groups or head_groups_for(num_heads, num_tokens, num_sms, topk=topk, extra_topk=extra_topk,
-                                            smem_per_sm=smem_per_sm, precision=precision, kv_format=kv_format)
+                                            smem_per_sm=smem_per_sm, precision=precision, kv_format=kv_format,
+                                            bounded_head_groups=bounded_head_groups)
     return PartialConfig(kv_format=kv_format, head_groups=groups, precision=precision,
-                         two_ctas_per_sm=precision == "f16" and f16_bound_allowed(kv_format))
+                         two_ctas_per_sm=precision == "f16" and f16_bound_allowed(kv_format)
+                         and groups in bounded_head_groups)

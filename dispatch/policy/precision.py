@@ -3,15 +3,23 @@ reads (``KvFormat.paths``), and the default."""
 
 from __future__ import annotations
 
-from cute_kernels.sparse_mla_decode.config import PATH_ARCHS
+from cute_kernels.arch import arch_facts
+from cute_kernels.sparse_mla_decode.config import PATH_NEEDS
 from cute_kernels.sparse_mla_decode.kv_format import PRECISIONS, get_format, path_refusal
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
 
+def path_missing(precision: str, arch: str) -> str | None:
+    """Why ``arch`` has no ``precision`` path, in words (the instruction it lacks:
+    ``config.PATH_NEEDS``), or None where it has it."""
+    needs = PATH_NEEDS.get(precision)
+    return arch_facts(arch).lacks(needs) if needs else None
+
+
 def precisions_for(arch: str) -> tuple[str, ...]:
-    """The compute paths compiled for ``arch``: every path but those ``config.PATH_ARCHS``
-    keeps to other archs ("mxf8", the block-scaled MMA: sm_120a / sm_121a only)."""
-    return tuple(p for p in PRECISIONS if arch in PATH_ARCHS.get(p, (arch,)))
+    """The compute paths compiled for ``arch``: every path whose instruction the arch has
+    ("fp8", the e4m3 MMA: sm_89 and later; "mxf8", the block-scaled MMA: sm_120a / sm_121a)."""
+    return tuple(p for p in PRECISIONS if path_missing(p, arch) is None)
 
 
 def check_format_precision(precision: str | None, kv_format: str) -> None:
@@ -27,13 +35,15 @@ def check_format_precision(precision: str | None, kv_format: str) -> None:
 def resolve_precision(precision: str | None, arch: str) -> str:
     """The compute path of a call whose formats read ``precision`` (``check_format_precision``,
     checked first: before the device is known): the caller's choice where ``arch`` has it
-    (``precisions_for``), else ``tuning.DEFAULT_PRECISION`` ("f16" on every arch and format, by
-    measurement: ``docs/tuning.md``)."""
+    (``precisions_for``; ValueError naming the instruction the arch lacks), else
+    ``tuning.DEFAULT_PRECISION`` ("f16" on every arch and format, by measurement:
+    ``docs/tuning.md``)."""
     if precision is None:
         return DEFAULT_PRECISION
     if precision not in precisions_for(arch):
-        raise ValueError(f"precision {precision!r} is not available on {arch}: use one of {precisions_for(arch)} "
-                         f"or None (the default, {DEFAULT_PRECISION})")
+        why = path_missing(precision, arch) if precision in PRECISIONS else "not a compute path"
+        raise ValueError(f"precision {precision!r} is not available on {arch_facts(arch).label} ({why}): use one of "
+                         f"{precisions_for(arch)} or None (the default, {DEFAULT_PRECISION})")
     return precision
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+from cute_kernels.arch import arch_facts
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 
 from .call_metadata import DecodeMetadata
@@ -117,11 +117,11 @@ DEPLOYMENT_SHAPES = tuple(_shapes())
 # num_tokens that reach decode: 1 token to prefill-sized calls (one split and several)
 DEPLOYMENT_NUM_TOKENS = (1, 2, 8, 64, 256, 4096)
 # shared memory per SM as the CUDA runtime reports it (``cute_kernels.arch``)
-SM120_SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_120a"]
-H200_SMEM_PER_SM = SMEM_PER_SM_BY_ARCH["sm_90a"]
+SM120_SMEM_PER_SM = arch_facts("sm_120a").smem_per_sm
+H200_SMEM_PER_SM = arch_facts("sm_90a").smem_per_sm
 # SM counts of the targets: RTX PRO 6000, RTX 5090, DGX Spark GB10 and the H200 test GPU. Every
 # arch's build is planned for all of them (an SM count is a runtime value), each with the
-# arch's own shared memory per SM (``SMEM_PER_SM_BY_ARCH``: what decides the CTAs per SM)
+# arch's own shared memory per SM (``Arch.smem_per_sm``: what decides the CTAs per SM)
 DEPLOYMENT_SM_COUNTS = (188, 170, 48, 132)
 
 
@@ -152,7 +152,7 @@ def registry_calls(precision: str, arch: str):
     ``deployment_calls``' order. For a call of two cache formats (``DecodeMetadata.mixed``)
     these are the call's total splits and its main list's head groups and bound; its kernels:
     ``select_kernels(...).variants``."""
-    smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
+    smem_per_sm = arch_facts(arch).smem_per_sm
     for md, sms in deployment_calls(precision, arch):
         selection = select_kernels(md, arch, num_sms=sms, smem_per_sm=smem_per_sm, precision=precision)
         yield md, selection.num_splits, selection.head_groups, selection.two_ctas_per_sm
@@ -161,7 +161,7 @@ def registry_calls(precision: str, arch: str):
 def registry_variants(arch: str) -> list[KernelVariant]:
     """The variants the AOT build compiles for ``arch``, in a stable order: every format's,
     those the dispatch selects (``selection.select_kernels``) for the deployment calls."""
-    smem_per_sm = SMEM_PER_SM_BY_ARCH[arch]
+    smem_per_sm = arch_facts(arch).smem_per_sm
     found = {}
     for precision in precisions_for(arch):  # every path a caller can ask for, not only the default
         for md, sms in deployment_calls(precision, arch):

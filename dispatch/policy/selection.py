@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from cute_kernels.arch import arch_facts
 from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, PartialConfig
 
 from .call_metadata import DecodeMetadata
 from .splits import MAX_SPLITS, SplitPlan, plan_splits, two_ctas_per_sm
 from .head_groups import partial_shape_config
+from .occupancy import bounded_f16_head_groups
 from .variant_space import KernelVariant, merge_variant, variants_for
 
 
@@ -109,6 +111,10 @@ def select_kernels(md: DecodeMetadata, arch: str, *, num_sms: int, smem_per_sm: 
     variant space."""
     ov = overrides or PlanOverrides()
     ov.check(precision)
+    # a GPU of ``arch`` has the arch's shared memory per SM; an arch profile runs its
+    # target's choices on a GPU with more (``cute_kernels.arch.profile``), and plans as the
+    # target does
+    smem_per_sm = min(smem_per_sm, arch_facts(arch).smem_per_sm)
     if md.kv_format is None:
         raise ValueError(f"{md.describe()}: the call's kv_format must be known to pick its kernels")
     if not md.mixed:
@@ -133,7 +139,8 @@ def _select_one(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int, p
     mixed call)."""
     T, H, topk, extra_topk = md.num_tokens, md.num_heads, md.topk, md.extra_topk
     shape = partial_shape_config(H, T, num_sms, precision, topk=topk, extra_topk=extra_topk, smem_per_sm=smem_per_sm,
-                                 head_groups=ov.head_groups, kv_format=md.kv_format)
+                                 head_groups=ov.head_groups, kv_format=md.kv_format,
+                                 bounded_head_groups=bounded_f16_head_groups(arch))
     if ov.num_stages is not None:  # the split plan sees the stages' shared memory too
         shape = dataclasses.replace(shape, num_stages=ov.num_stages)
     split = plan_splits(T, H, topk, extra_topk, cfg=shape, num_sms=num_sms, smem_per_sm=smem_per_sm,

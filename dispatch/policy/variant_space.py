@@ -11,7 +11,8 @@ is a runtime argument, so the set of variants is small and closed:
              read in the same kernel) x (split mode |
              final mode without sink | final mode with sink; split mode alone for a format
              read only as an extra cache), and for an "f16" kernel that can be held to two
-             CTAs on an arch whose SMs hold two of it (MODEL1's on sm_90a), x two_ctas_per_sm
+             CTAs on an arch whose SMs hold two of it (MODEL1's on sm_90a; on sm_80 its
+             16-head one), x two_ctas_per_sm
              (the 128-register launch bound: ``splits.two_ctas_per_sm``)
     merge:   has_sink x split_batch (``merge_batch_for(num_splits)``): every format's value
              width is the same (``kv_format.D_V``), so one merge kernel serves them all
@@ -29,13 +30,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from cute_kernels.arch import SMEM_PER_SM_BY_ARCH
+from cute_kernels.arch import Arch, arch_facts
 from cute_kernels.sparse_mla_decode.config import HEAD_GROUPS, MergeConfig, PartialConfig, merge_batch_for
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION, MERGE_BATCHES
 
 from .call_metadata import DecodeMetadata
-from .occupancy import two_bounded_f16_ctas_fit
+from .occupancy import bounded_f16_head_groups, two_bounded_f16_ctas_fit
 from .precision import format_precisions
 
 
@@ -53,6 +54,11 @@ class KernelVariant:
     @property
     def name(self) -> str:
         return f"{self.config.name}_{self.arch}"
+
+    @property
+    def target(self) -> Arch:
+        """The facts of ``arch`` (a target, or an arch profile)."""
+        return arch_facts(self.arch)
 
 
 def variants_for(md: DecodeMetadata, arch: str, num_splits: int, head_groups: int,
@@ -98,7 +104,7 @@ def variant_space(arch: str) -> list[KernelVariant]:
     mode, its list the kernel's main list), then the merge kernels every format shares."""
     out = []
     for kv_format, fmt in FORMATS.items():
-        two_fit = two_bounded_f16_ctas_fit(SMEM_PER_SM_BY_ARCH[arch], kv_format)
+        smem_per_sm, bounded = arch_facts(arch).smem_per_sm, bounded_f16_head_groups(arch)
         extra_lengths = (False, True) if kv_format in fmt.extras else (False,)
         modes = _MODES if fmt.main else _MODES[:1]
         out += [
@@ -107,7 +113,7 @@ def variant_space(arch: str) -> list[KernelVariant]:
                                         two_ctas_per_sm=two), arch)
             for p, g, a, b, (f, s), two in itertools.product(format_precisions(arch, kv_format), HEAD_GROUPS,
                                                              (False, True), extra_lengths, modes, (False, True))
-            if not two or (p == "f16" and two_fit)
+            if not two or (p == "f16" and two_bounded_f16_ctas_fit(smem_per_sm, kv_format, g, bounded))
         ]
     out += [KernelVariant(MergeConfig(has_sink=s, split_batch=b), arch) for s in (False, True) for b in MERGE_BATCHES]
     return out

@@ -90,14 +90,17 @@ def _report_once(message: str) -> None:
 # ---------------------------------------------------------------------- compile and export
 def build_kernel(variant: KernelVariant):
     """The kernel object (a ``cute.jit`` callable) of a variant: the class that generates its
-    configuration says so itself (``cute_kernels.sparse_mla_decode.kernels``)."""
+    configuration says so itself (``cute_kernels.sparse_mla_decode.kernels``), for the
+    variant's target (an arch, or an arch profile: ``cute_kernels.arch``)."""
     from cute_kernels.sparse_mla_decode.kernels import kernel_for
 
-    return kernel_for(variant.config)
+    return kernel_for(variant.config, variant.target)
 
 
 def compile_variant(variant: KernelVariant, keep_cubin: bool = False):
-    """Compile a variant for its arch with stand-in arguments (no GPU needed).
+    """Compile a variant for its target with stand-in arguments (no GPU needed): the code
+    generated for the target's facts, compiled for its ``isa`` (for an arch profile the GPU's
+    arch, not the one whose choices it runs).
 
     ``keep_cubin`` keeps the cubin in ``compiled.artifacts.CUBIN``; the DSL also writes it
     to ``$CUTE_DSL_DUMP_DIR`` (set that to a scratch directory).
@@ -105,7 +108,7 @@ def compile_variant(variant: KernelVariant, keep_cubin: bool = False):
     import cutlass.cute as cute
 
     kernel = build_kernel(variant)
-    options = f"--gpu-arch {variant.arch}" + (" --keep-cubin" if keep_cubin else "")
+    options = f"--gpu-arch {variant.target.isa}" + (" --keep-cubin" if keep_cubin else "")
     return cute.compile(kernel, *kernel.fake_args(), options=options)
 
 

@@ -1,21 +1,27 @@
 """Offline AOT build of the sparse-MLA kernel variants (no GPU needed): ``dsv4-mla-aot-build``.
 
     dsv4-mla-aot-build [--arch sm_120a --arch sm_121a] [--out build/aot] [--jobs N] [--only REGEX] [--force]
+    dsv4-mla-aot-build --arch sm_80 --arch sm_86 --arch sm_89 --out build/aot8x    # Ampere and Ada
     dsv4-mla-aot-build --report [--out DIR]
     dsv4-mla-aot-build --wheel DIR [--arch ...]       # from a source checkout: a wheel with the kernels
 
 Builds exactly ``dispatch.policy.registry.registry_variants(arch)`` for each ``--arch`` (default: the
-deployment archs, sm_120a and sm_121a; ``--arch sm_90a --out build/aot90`` builds the H200
-test GPU's, best kept in a directory of its own) in parallel processes, exports each variant
-as ``<name>.o`` into ``--out`` (default ``build/aot`` in the current directory) and records it
-in ``manifest.json``: its key, the fingerprint the loader checks (arch, nvidia-cutlass-dsl
-version and libs, project version, kernel source hash), the object's sha256 and the resources
-read from the compiled kernel. Up-to-date entries are skipped; entries of the built archs that
-the registry no longer plans are dropped with their files (other archs' are kept). A
-deployment arch's variant fails the build when it spills to local memory, is
-launched with more than 99 KB of shared memory, uses an instruction SM120 lacks, or its
-shared-memory plan (``PartialConfig.smem_plan``) differs from what the DSL launches it with.
-Exits non-zero naming every failed variant; prints the resource report at the end.
+deployment archs, sm_120a and sm_121a; also sm_80, sm_86, sm_89; ``--arch sm_90a --out
+build/aot90`` builds the H200 test GPU's, and ``--arch sm_80_on_sm_90a`` an arch profile's
+(``cute_kernels.arch.profile``), each best kept in a directory of its own) in parallel
+processes, exports each variant as ``<name>.o`` into ``--out`` (default ``build/aot`` in the
+current directory) and records it in ``manifest.json``: its key, the fingerprint the loader
+checks (arch, nvidia-cutlass-dsl version and libs, project version, kernel source hash), the
+object's sha256 and the resources read from the compiled kernel. Up-to-date entries are
+skipped; entries of the built archs that the registry no longer plans are dropped with their
+files (other archs' are kept). A variant fails the build when its SASS holds an instruction
+its target must not contain (``Arch.forbidden_sass``: what no target uses, and the
+instructions of what the arch lacks: PDL, the e4m3 conversion, the e4m3 or block-scaled MMA),
+or its shared-memory plan (``PartialConfig.smem_plan``) differs from what the DSL launches it
+with; the variant of an arch whose binaries ship (``Arch.ships``: every one but the sm_90a
+test GPU and the profiles) also when it spills to local memory or is launched with more shared
+memory than the arch's per-CTA limit. Exits non-zero naming every failed variant; prints the
+resource report at the end.
 
 Serve from the directory with ``DSV4_MLA_AOT_DIR=<out>`` (``DSV4_MLA_REQUIRE_AOT=1`` turns a
 missing variant into an error), or with ``--wheel DIR`` build a wheel of this package that
@@ -40,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cute_kernels.arch import DEPLOYMENT_ARCHS, SMEM_PER_CTA_MAX, SUPPORTED_ARCHS
+from cute_kernels.arch import DEPLOYMENT_ARCHS, PROFILES, SUPPORTED_ARCHS, arch_facts
 
 from ..policy.registry import registry_variants
 from ..policy.variant_space import KernelVariant
@@ -80,8 +86,9 @@ def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
     from ..runtime.loader import compile_variant, export_variant
 
     t0 = time.time()
+    target = variant.target
     compiled = compile_variant(variant, keep_cubin=True)
-    (rep,) = inspect_cubin(compiled.artifacts.CUBIN)
+    (rep,) = inspect_cubin(compiled.artifacts.CUBIN, target.forbidden_sass)
     launch_smem = launch_smem_bytes(str(compiled.ir_module))
     resources = {
         "registers": rep.registers, "launch_smem_bytes": launch_smem, "plan_smem_bytes": variant.config.smem_bytes(),
@@ -95,13 +102,14 @@ def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
         resources["loop_instructions"].append(loop.instructions)
         resources["chained_mma"].append(loop.chained_mma)
     problems = []
-    if variant.arch in DEPLOYMENT_ARCHS:  # the SM120 targets: their binaries are what ships
+    if rep.forbidden:
+        problems.append(f"uses instructions {target.label} must not contain: {rep.forbidden}")
+    if target.ships:  # its binaries are what a deployment runs
         if rep.local_bytes or rep.stack_bytes or rep.local_memory_instructions:
             problems.append("spills to local memory")
-        if launch_smem > SMEM_PER_CTA_MAX:
-            problems.append(f"is launched with {launch_smem} bytes of shared memory > {SMEM_PER_CTA_MAX}")
-        if rep.forbidden:
-            problems.append(f"uses instructions SM120 does not have: {rep.forbidden}")
+        if launch_smem > target.smem_per_cta:
+            problems.append(f"is launched with {launch_smem} bytes of shared memory > {target.smem_per_cta}, "
+                            f"{target.label}'s limit per CTA")
     if launch_smem != variant.config.smem_bytes():
         problems.append(f"is launched with {launch_smem} bytes of shared memory, its plan says "
                         f"{variant.config.smem_bytes()}")
@@ -153,7 +161,7 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 
 def report(out_dir: Path) -> str:
-    """The manifest's resource table: one row per variant, then a summary line."""
+    """The manifest's resource table: one row per variant, then a summary line per arch."""
     manifest = read_manifest(out_dir)
     if manifest is None:
         return f"no manifest in {out_dir}"
@@ -166,11 +174,15 @@ def report(out_dir: Path) -> str:
                      r["local_memory_instructions"], "/".join(map(str, r["loop_instructions"])) or "-", mma))
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [head] + rows]
-    spills = sum(1 for row in rows if row[4] or row[5])
-    over = sum(1 for row in rows if row[3] > SMEM_PER_CTA_MAX)
-    lines.append(f"{len(rows)} variants; {spills} spill; {over} over {SMEM_PER_CTA_MAX} bytes of shared memory per CTA; "
-                 f"largest {max((row[3] for row in rows), default=0)} bytes, {max((row[2] for row in rows), default=0)} "
-                 f"registers")
+    for arch in sorted({row[1] for row in rows}):
+        mine = [row for row in rows if row[1] == arch]
+        limit = arch_facts(arch).smem_per_cta
+        spills = sum(1 for row in mine if row[4] or row[5])
+        over = sum(1 for row in mine if row[3] > limit)
+        lines.append(f"{arch}: {len(mine)} variants; {spills} spill; {over} over {limit} bytes of shared memory per "
+                     f"CTA; largest {max(row[3] for row in mine)} bytes, {max(row[2] for row in mine)} registers")
+    if not rows:
+        lines.append("0 variants")
     return "\n".join(lines)
 
 
@@ -267,8 +279,8 @@ def build_wheel(out_dir: Path, wheel_dir: Path, archs, *, build_isolation: bool 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsv4-mla-aot-build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", action="append", choices=SUPPORTED_ARCHS,
-                    help=f"target arch, repeatable (default: {' '.join(DEPLOYMENT_ARCHS)})")
+    ap.add_argument("--arch", action="append", choices=SUPPORTED_ARCHS + tuple(PROFILES),
+                    help=f"target arch or arch profile, repeatable (default: {' '.join(DEPLOYMENT_ARCHS)})")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (default: %(default)s)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     ap.add_argument("--only", help="build only the variants whose name matches this regex")
