@@ -96,11 +96,12 @@ class Arch:
         return _NOT_USED + tuple(s for field, sass in _SASS_OF.items() if not getattr(self, field) for s in sass)
 
     def lacks(self, feature: str) -> str | None:
-        """None where it has ``feature`` (a field of ``FEATURES``), else why not, in words."""
+        """None where it has ``feature`` (a field of ``FEATURES``), else why not, in words (of
+        the target: a profile's facts are its target's)."""
         if getattr(self, feature):
             return None
         what, ptx = FEATURES[feature]
-        return f"{self.label} has no {what} ({ptx})"
+        return f"{self.target.name} has no {what} ({ptx})"
 
 
 def _arch(name, *, pdl, e4m3, block_scaled=False, smem_per_cta, smem_per_sm, ships=True) -> Arch:

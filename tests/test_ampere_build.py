@@ -117,3 +117,23 @@ def test_the_arch_table():
     assert (p.pdl, p.e4m3_cvt, p.e4m3_mma, p.smem_per_cta) == (False, True, True, 101376)
     assert set(ARCHS["sm_80"].forbidden_sass) >= {"ACQBULK", "PREEXIT", "F2FP.E4M3", "QMMA", "HMMA.E4M3", "HGMMA"}
     assert "F2FP.E4M3" not in ARCHS["sm_89"].forbidden_sass and "QMMA.SF" in ARCHS["sm_89"].forbidden_sass
+
+
+def test_the_profile_bench_refuses_a_profile_run_and_prints_each_profile_against_the_gpu(monkeypatch, capsys):
+    """``scripts/profile_bench.py`` (CPU parts): under ``DSV4_MLA_ARCH_PROFILE`` it refuses (it
+    plans the profiles by name beside the GPU's own build), and its table gives each
+    profile's time and its ratio to the GPU's, with the geometric mean of the ratios."""
+    from scripts import profile_bench
+
+    monkeypatch.setenv(PROFILE_ENV, "sm_80")
+    with pytest.raises(SystemExit) as refused:
+        profile_bench.main([])
+    assert refused.value.code == 2 and f"unset {PROFILE_ENV}" in capsys.readouterr().err
+    rows = [dict(T=1, H=16, topk="128", us={"sm_90a": 10.0, "sm_80_on_sm_90a": 12.0}),
+            dict(T=8, H=64, topk="512", us={"sm_90a": 20.0, "sm_80_on_sm_90a": 30.0})]
+    profile_bench.print_table(rows, ["sm_90a", "sm_80_on_sm_90a"], "Stand-in H200", "model1_fp8", None)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Stand-in H200, model1_fp8 caches, precision default")
+    assert lines[1].split() == ["T", "H", "topk", "sm_90a", "sm_80", "x"]
+    assert lines[2].split() == ["1", "16", "128", "10.0", "12.0", "1.20"]
+    assert lines[-1].split() == ["geomean", f"{(1.2 * 1.5) ** 0.5:.2f}"]

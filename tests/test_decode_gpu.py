@@ -394,8 +394,8 @@ def test_a_path_is_refused_where_the_gpu_lacks_its_instruction(precision, featur
         pytest.skip(f"{target.label} has the {precision!r} path's instruction")
     q, cache, idx, kw = build_inputs(Case(T=2, H=16, topk=64), device, seed_for(f"{precision} refused"))
     out = torch.full((2, 16, 512), math.nan, dtype=torch.bfloat16, device=device)
-    with pytest.raises(InvalidDecodeInput, match=re.escape(f"'{precision}' is not available on {target.label} "
-                                                           f"({target.lacks(feature)})")):
+    with pytest.raises(InvalidDecodeInput, match=re.escape(f"'{precision}' is not available on {target.label}: "
+                                                           f"{target.lacks(feature)};")):
         sparse_mla_decode(q, cache, idx, out=out, precision=precision, **kw)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()

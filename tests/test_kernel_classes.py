@@ -44,7 +44,7 @@ def test_loader_builds_through_the_classes():
 @pytest.mark.parametrize("arch,precision,lacks", [
     ("sm_80", "fp8", "sm_80 has no e4m3 MMA"), ("sm_86", "fp8", "sm_86 has no e4m3 MMA"),
     ("sm_89", "mxf8", "sm_89 has no block-scaled MMA"), ("sm_90a", "mxf8", "sm_90a has no block-scaled MMA"),
-    ("sm_80_on_sm_90a", "fp8", r"sm_80 \(profile on sm_90a\) has no e4m3 MMA"),
+    ("sm_80_on_sm_90a", "fp8", "sm_80 has no e4m3 MMA"),
 ])
 def test_a_kernel_of_a_path_its_arch_lacks_is_refused(arch, precision, lacks):
     from cute_kernels.sparse_mla_decode.kernels import kernel_for

@@ -42,7 +42,7 @@ def resolve_precision(precision: str | None, arch: str) -> str:
         return DEFAULT_PRECISION
     if precision not in precisions_for(arch):
         why = path_missing(precision, arch) if precision in PRECISIONS else "not a compute path"
-        raise ValueError(f"precision {precision!r} is not available on {arch_facts(arch).label} ({why}): use one of "
+        raise ValueError(f"precision {precision!r} is not available on {arch_facts(arch).label}: {why}; use one of "
                          f"{precisions_for(arch)} or None (the default, {DEFAULT_PRECISION})")
     return precision
 

@@ -1,7 +1,8 @@
 """Check, on a GPU, that an AOT build serves the whole deployment registry with no compile and
 correct results: ``dsv4-mla-check-aot``.
 
-    dsv4-mla-aot-build --out build/aot                       # once, on any machine (sm_120a, sm_121a)
+    dsv4-mla-aot-build --out build/aot                       # once, on any machine (sm_120a, sm_121a;
+                                                             # --arch sm_80 --arch sm_86 --arch sm_89: 8.x)
     dsv4-mla-check-aot --aot-dir build/aot                   # on the GPU, a fresh process
     dsv4-mla-check-aot                                       # the manifest of an installed wheel
 

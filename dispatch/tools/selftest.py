@@ -14,8 +14,8 @@ restricted to one cache format by --format, at 1, 8 and 64 tokens per call (--to
 1 and 64, and one page size per shape), on random caches and queries (those of
 dsv4-mla-check-aot: slots with -1 among them, every list full, a sink per head where the model
 has one), in every compute path this GPU has for the shape's cache formats ("f16", the
-default, "bf16", "fp8", and "mxf8" on sm_120 / sm_121 for UE8M0-scaled caches; --precision
-narrows).
+default, "bf16", "fp8" from sm_89 on, and "mxf8" on sm_120 / sm_121 for UE8M0-scaled caches;
+--precision narrows).
 
 Accuracy: each call's out against the float64 reference on up to 16 of its tokens, with the
 bound dsv4-mla-check-aot and the tests apply (dispatch.tools.accuracy: per token, the relative L2
@@ -40,7 +40,8 @@ table and a one-line summary are printed.
 
 Exit status: 0 every call within its bound; 1 an accuracy failure (a call above its bound,
 or one that raised); 2 a usage error; 3 no CUDA GPU is visible (one line says so); 4 a GPU
-these kernels do not run on (they run on sm_90, sm_120 and sm_121).
+these kernels do not run on (they run on compute capability 8.0, 8.6, 8.7, 8.9, 9.0, 12.0 and
+12.1: ``cute_kernels.arch``).
 """
 
 from __future__ import annotations
