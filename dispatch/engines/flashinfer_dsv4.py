@@ -179,6 +179,7 @@ _UNSERVED_NAMES = ("hca_swa_indices", "hca_compressed_block_tables", "hca_seq_le
                    "hca_sparse_indices_format", "sparse_indices_are_storage_offsets", "dsv4_output_scale",
                    "dsv4_inv_rope_cos_sin_cache")
 _SERVED_VALUES = ((None,), (None,), (None,), (False,), (None,), (None, False), (None,), (None,))
+_DEFAULTS = tuple(values[0] for values in _SERVED_VALUES)
 
 
 def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk_lens, sparse_topk_lens_offset,
@@ -212,11 +213,12 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
     if backend not in _DSV4_BACKENDS:
         return (f"backend must be one of {_DSV4_BACKENDS} (FlashInfer's SM120 kernel families; 'trtllm-gen' and "
                 f"'cute-dsl' are its SM100 ones), got {backend!r}")
-    given = [name for name, value, served in zip(_UNSERVED_NAMES, unserved, _SERVED_VALUES)
-             if not any(value is s for s in served)]
-    if given:
-        return (f"{', '.join(given)}: not served (FlashInfer's HCA inputs; storage-offset indices and the FP8 "
-                f"output with a fused inverse RoPE, which vLLM's SM100 class passes)")
+    if unserved != _DEFAULTS:  # the common call leaves them all at FlashInfer's defaults: one compare
+        given = [name for name, value, served in zip(_UNSERVED_NAMES, unserved, _SERVED_VALUES)
+                 if not any(value is s for s in served)]
+        if given:
+            return (f"{', '.join(given)}: not served (FlashInfer's HCA inputs; storage-offset indices and the FP8 "
+                    f"output with a fused inverse RoPE, which vLLM's SM100 class passes)")
     if type(sparse_topk_lens_offset) is not int or sparse_topk_lens_offset != 0:
         return (f"sparse_topk_lens_offset must be the int 0 (it offsets sparse_topk_lens, FlashInfer's SM100 "
                 f"length), got {sparse_topk_lens_offset!r}")

@@ -35,7 +35,6 @@ import inspect
 import itertools
 import json
 import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,10 +82,11 @@ class Shape:
 
 
 # --check: the registry's Hopper deployments (V4-Flash TP 2 / 4 / 8: 32, 16, 8 heads; V4-Pro TP 4 / 8:
-# 32, 16; DeepSeek-V3.2 TP 8: 16; GLM-5 TP 8: 8) at the tokens of decode with MTP drafts and batches
+# 32, 16; DeepSeek-V3.2 TP 8: 16; GLM-5 TP 8: 8), their ratio-4 and ratio-128 layers, at the tokens of
+# decode with MTP drafts and batches
 CHECK_TOKENS = (1, 2, 4, 8, 64, 256)
 CHECK_LISTS = ((("model1", 128, 512, 64, 512), (8, 16, 32)), (("model1", 128, 1024, 64, 1024), (16, 32)),
-               (("v32", 2048, 0, None, 0), (8, 16)))
+               (("model1", 128, 8192, 2, 512), (8, 16, 32)), (("v32", 2048, 0, None, 0), (8, 16)))
 
 
 def shapes(quick: bool) -> list[Shape]:
@@ -165,12 +165,11 @@ def agreement(a: torch.Tensor, b: torch.Tensor, heads: int) -> float:
 
 
 def source_line() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[2]).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    return f"{torch.cuda.get_device_name()}, {datetime.date.today().isoformat()}, project {commit}"
+    """The GPU, the date and the kernels' sources (their hash, as the loader's fingerprint has it)."""
+    from ..runtime.fingerprint import PROJECT_VERSION, source_hash
+
+    return (f"{torch.cuda.get_device_name()}, {datetime.date.today().isoformat()}, dsv4-sparse-mla "
+            f"{PROJECT_VERSION}, kernel sources {source_hash()[:12]}")
 
 
 def main(argv=None) -> int:
