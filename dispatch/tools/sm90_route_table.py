@@ -181,14 +181,19 @@ def main(argv=None) -> int:
     ap.add_argument("--python", help="write the EVIDENCE literal of dispatch/policy/sm90_policy.py here")
     ap.add_argument("--check", action="store_true", help="then time the route itself against FlashMLA")
     ap.add_argument("--table", help="the route table --check uses (default: the rows just measured)")
+    ap.add_argument("--check-only", action="store_true", help="no new rows: --check the route with --table (default: "
+                    "the shipped table, sm90_policy.EVIDENCE)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     fm = importlib.import_module(args.flashmla)
     gen = torch.Generator().manual_seed(args.seed)
     rows, checks = [], []
     table = sm90_policy.load_table(args.table)[0] if args.table else None
-    print(f"{'shape':<28} {'library us':>10} {'FlashMLA us':>11} {'FlashMLA/lib':>12} {'agree':>8}")
-    for shape in shapes(args.quick):
+    if args.check_only:
+        args.check, table = True, table or sm90_policy.EVIDENCE
+    else:
+        print(f"{'shape':<28} {'library us':>10} {'FlashMLA us':>11} {'FlashMLA/lib':>12} {'agree':>8}")
+    for shape in [] if args.check_only else shapes(args.quick):
         kw = call_kwargs(shape, gen)
         calls = runners(fm, shape, kw)
         fm_out, lib_out = calls["flashmla"](), calls["library"]()
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
                                          round(fm_us, 2)))
         print(f"{shape.label:<28} {lib_us:>10.1f} {fm_us:>11.1f} {fm_us / lib_us:>12.2f} {err:>8.1e}", flush=True)
     source = source_line()
-    if args.json:
+    if args.json and rows:
         Path(args.json).write_text(sm90_policy.to_json(rows, source))
     if args.python:
         lines = [f'EVIDENCE_SOURCE = "{source}"', "EVIDENCE: tuple[RouteRow, ...] = tuple(RouteRow(*r) for r in ("]
@@ -221,7 +226,7 @@ def main(argv=None) -> int:
                                routed_us=round(routed_us, 2), flashmla_us=round(fm_us, 2), route=pick))
             print(f"{shape.label:<28} {routed_us:>10.1f} {fm_us:>11.1f} {fm_us / routed_us:>15.2f} {pick:>8}", flush=True)
         if args.json:
-            data = json.loads(Path(args.json).read_text())
+            data = json.loads(Path(args.json).read_text()) if rows else {"source": source}
             Path(args.json).write_text(json.dumps({**data, "check": checks}, indent=1))
     return 0
 
