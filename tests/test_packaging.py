@@ -96,9 +96,13 @@ def _readme_commands() -> list[str]:
 
 def test_ci_runs_the_readme_commands():
     commands = _readme_commands()
-    assert len(commands) == 2
+    assert len(commands) == 3
     assert "dsv4-mla-aot-build --arch sm_120a --arch sm_121a" in commands[0]  # the main job
     assert "pytest" in commands[1]
+    # then the same build and tests under the lowest nvidia-cutlass-dsl the package accepts
+    lowest = re.search(r'"nvidia-cutlass-dsl>=([\d.]+),', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert f"'nvidia-cutlass-dsl=={lowest}'" in commands[2] and "dsv4-mla-aot-build" in commands[2] \
+        and "pytest" in commands[2]
     assert not any("torch==" in c for c in commands)  # the user's own torch; CI pins its own
     ci = (ROOT / ".ci" / "run").read_text()
     assert "README.md" in ci and "bash -euxo pipefail -c" in ci  # .ci/run runs the README's block itself

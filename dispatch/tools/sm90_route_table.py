@@ -164,6 +164,26 @@ def agreement(a: torch.Tensor, b: torch.Tensor, heads: int) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+LIST_NAMES = {("model1", 128): "128 (SWA)", ("model1", 640): "128 + 512", ("model1", 1152): "128 + 1024",
+              ("model1", 8320): "128 + 8192 (512 valid)", ("v32", 2048): "2048"}
+
+
+def evidence_markdown(rows) -> str:
+    """``rows`` as the table of ``docs/performance.md`` ("The Hopper route"): FlashMLA's time over
+    this library's per shape, a row per (cache, lists, real heads), a column per token count."""
+    tokens = sorted({r.tokens for r in rows})
+    keys = list(dict.fromkeys((r.family, r.entries, r.heads) for r in rows))
+    by = {(r.family, r.entries, r.heads, r.tokens): r for r in rows}
+    lines = ["| cache | entries | heads | " + " | ".join(f"T={t}" for t in tokens) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in tokens) + " |"]
+    for family, entries, heads in keys:
+        cells = [f"{by[family, entries, heads, t].flashmla_us / by[family, entries, heads, t].library_us:.2f}"
+                 if (family, entries, heads, t) in by else "" for t in tokens]
+        name = {"model1": "MODEL1", "v32": "V3.2"}[family]
+        lines.append(f"| {name} | {LIST_NAMES.get((family, entries), entries)} | {heads} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def source_line() -> str:
     """The GPU, the date and the kernels' sources (their hash, as the loader's fingerprint has it)."""
     from ..runtime.fingerprint import PROJECT_VERSION, source_hash
