@@ -440,3 +440,13 @@ def test_every_public_name_still_imports():
     assert len(targets) == 6, targets  # four commands, two engine plugins
     for module, attr in targets:
         assert callable(getattr(importlib.import_module(module), attr)), (module, attr)
+
+
+def test_the_hopper_route_table_is_the_policys():
+    """docs/performance.md's table of the Hopper route is the policy's own rows
+    (``sm90_policy.EVIDENCE``, one source), with where they were measured."""
+    from dispatch.policy.sm90_policy import EVIDENCE, EVIDENCE_SOURCE
+    from dispatch.tools.sm90_route_table import evidence_markdown
+
+    section = (ROOT / "docs" / "performance.md").read_text().split("## The Hopper route (sm_90)")[1].split("\n## ")[0]
+    assert EVIDENCE and evidence_markdown(EVIDENCE) in section and EVIDENCE_SOURCE in " ".join(section.split())
