@@ -9,15 +9,15 @@
   with no prebuilt object while compiling is switched off (``DSV4_MLA_REQUIRE_AOT``);
 - ``convert_lse`` / ``LSE_CONVENTIONS``: the lse conventions (``dispatch.runtime.lse``);
 - ``plan_cache_info`` / ``clear_plan_cache``: what the one-shot call's plan cache holds, and dropping it;
-- ``dispatch.adapters``: FlashMLA's and FlashInfer's call shapes; ``dispatch.engine_plugins``: the
-  opt-in vLLM / SGLang plugins.
+- ``dispatch.engines``: the engines' call shapes (FlashMLA's, FlashInfer's, SGLang's), the opt-in
+  vLLM / SGLang plugins and the Hopper route.
 
 The modules directly in ``dispatch/`` are what users import; the machinery sits in wings, each
 importing only from those before it: ``policy`` (a call's metadata, compute path, head groups,
 split, variants and the deployment registry), ``runtime`` (a call's tensors as one record, plans,
 the plan cache, the loader of compiled kernels, the lse conventions), then the public modules,
-then ``tools`` (the console commands: AOT build and check, self-test; sample inputs, accuracy
-bounds, timing).
+then ``engines`` (the engines' call shapes and plugins), then ``tools`` (the console commands:
+AOT build and check, self-test, the Hopper route's table; sample inputs, accuracy bounds, timing).
 """
 
 from . import torch_ops  # noqa: F401  (registers torch.ops.dsv4_mla.sparse_mla_decode)

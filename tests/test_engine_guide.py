@@ -225,7 +225,7 @@ def test_the_guide_names_what_the_plugins_patch_and_say(monkeypatch, tmp_path):
                  "routed per shape between this library and FlashMLA"):
         assert said in source and said in guide, said
     # the refusals, as the code words them
-    monkeypatch.setenv(plugin_mode.ENV, "force")
+    monkeypatch.setenv(plugin_mode.ENV, "2")
     with pytest.raises(ValueError) as refused:
         plugin_mode.requested_mode()
     assert f"ValueError: {refused.value}" in guide, str(refused.value)

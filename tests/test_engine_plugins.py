@@ -220,7 +220,7 @@ def test_vllm_plugin_routes_flashmla_per_shape_on_sm90(monkeypatch, caplog):
     ops, modules, calls = _stand_in_vllm_sm90(monkeypatch)
     rows = (sm90_policy.RouteRow("model1", 16, 8, 640, 10.0, 20.0), sm90_policy.RouteRow("model1", 16, 64, 640, 30.0,
                                                                                            20.0))
-    monkeypatch.setattr(sm90_policy, "EVIDENCE", rows)
+    monkeypatch.setattr(sm90_policy, "SHIPPED", sm90_policy.RouteTable(rows, "test rows"))
     served = []
     monkeypatch.setattr(sm90_route.flashmla, "flash_mla_with_kvcache",
                         lambda *a, **kw: served.append(kw) or ("library", None))
@@ -252,9 +252,9 @@ def test_vllm_plugin_routes_flashmla_per_shape_on_sm90(monkeypatch, caplog):
 
 def test_the_route_hands_calls_it_does_not_read_to_flashmla(monkeypatch, caplog):
     calls = []
-    route = sm90_route.make_route(lambda *a, **kw: calls.append(kw) or ("FlashMLA", None), vllm_plugin.LOG, "vLLM")
-    monkeypatch.setattr(sm90_policy, "EVIDENCE", (sm90_policy.RouteRow("model1", 64, 256, 4096, 1.0, 2.0),))
-    route = sm90_route.make_route(lambda *a, **kw: calls.append(kw) or ("FlashMLA", None), vllm_plugin.LOG, "vLLM")
+    table = sm90_policy.RouteTable((sm90_policy.RouteRow("model1", 64, 256, 4096, 1.0, 2.0),), "test rows")
+    route = sm90_route.make_route(lambda *a, **kw: calls.append(kw) or ("FlashMLA", None), vllm_plugin.LOG, "vLLM",
+                                  table=table)
     base = dict(q=torch.zeros(2, 1, 64, 512), k_cache=torch.zeros(4, 64, 1, 584, dtype=torch.uint8),
                 indices=torch.zeros(2, 1, 128, dtype=torch.int32), is_fp8_kvcache=True)
     where = site("test site", 16, False)
@@ -265,26 +265,34 @@ def test_the_route_hands_calls_it_does_not_read_to_flashmla(monkeypatch, caplog)
     assert len(calls) == 5 and "passes a_new_keyword, which this library's route does not know" in caplog.text
 
 
-def test_route_policy_rounds_up_to_the_nearest_measured_shape():
+def test_route_policy_takes_a_call_only_where_every_measured_shape_around_it_agrees():
     rows = tuple(sm90_policy.RouteRow("model1", h, t, 640, lib, 20.0)
-                 for h, t, lib in ((16, 8, 10.0), (16, 64, 15.0), (16, 256, 25.0), (64, 8, 18.0), (64, 64, 40.0)))
-    choose = sm90_policy.choose
-    assert choose("model1", 8, 1, 128, rows) == sm90_policy.LIBRARY  # below every measured value: the smallest rows
-    assert choose("model1", 16, 65, 640, rows) == sm90_policy.FLASHMLA  # 256 tokens: 25 > 20
-    assert choose("model1", 17, 8, 640, rows) == sm90_policy.LIBRARY  # 64 heads, 8 tokens: 18 < 20
-    assert choose("model1", 128, 4096, 9999, rows) == sm90_policy.FLASHMLA  # beyond all: the largest
-    assert choose("v32", 16, 1, 2048, rows) == sm90_policy.FLASHMLA  # no row of the family: the engine's kernel
+                 for h, t, lib in ((16, 8, 10.0), (16, 64, 15.0), (16, 256, 25.0), (64, 8, 18.0), (64, 64, 40.0),
+                                   (64, 256, 50.0)))
+    table = sm90_policy.RouteTable(rows, "test rows")
+    assert table.choose("model1", 8, 1, 128) == sm90_policy.LIBRARY  # below every measured value: the nearest rows
+    assert table.choose("model1", 16, 64, 640) == sm90_policy.LIBRARY  # measured: 15 < 20
+    assert table.choose("model1", 16, 65, 640) == sm90_policy.FLASHMLA  # between 64 (15) and 256 (25 > 20)
+    assert table.choose("model1", 16, 9, 640) == sm90_policy.LIBRARY  # between 8 and 64: both faster
+    assert table.choose("model1", 17, 8, 640) == sm90_policy.LIBRARY  # between 16 and 64 heads: 10 and 18 < 20
+    assert table.choose("model1", 17, 9, 640) == sm90_policy.FLASHMLA  # around it, 64 heads x 64 tokens: 40 > 20
+    assert table.choose("model1", 128, 4096, 9999) == sm90_policy.FLASHMLA  # beyond all: the largest
+    assert table.choose("v32", 16, 1, 2048) == sm90_policy.FLASHMLA  # no row of the family: the engine's kernel
+    assert sm90_policy.choose("model1", 16, 9, 640, rows) == sm90_policy.LIBRARY  # the same through choose
 
 
 def test_route_tables_round_trip_and_bad_files_are_refused(tmp_path):
     rows = (sm90_policy.RouteRow("v32", 16, 4, 2048, 9.5, 19.0),)
     path = tmp_path / "route.json"
     path.write_text(sm90_policy.to_json(rows, "test GPU"))
-    assert sm90_policy.load_table(path) == (rows, "test GPU")
-    path.write_text('{"rows": [{"family": "v4", "heads": 16, "tokens": 1, "entries": 1, "library_us": 1, '
-                    '"flashmla_us": 1}]}')
-    with pytest.raises(ValueError, match="rows out of range"):
-        sm90_policy.load_table(path)
+    table = sm90_policy.load_table(path)
+    assert table.rows == rows and table.source == "test GPU"
+    for bad, problem in (('"family": "v4", "heads": 16', "family 'v4' is not one of"),
+                         ('"family": "v32", "heads": "16"', "heads, tokens and entries must be positive ints"),
+                         ('"family": "v32", "heads": 8.5', "heads, tokens and entries must be positive ints")):
+        path.write_text('{"rows": [{' + bad + ', "tokens": 1, "entries": 1, "library_us": 1, "flashmla_us": 1}]}')
+        with pytest.raises(ValueError, match=problem):
+            sm90_policy.load_table(path)
     with pytest.raises(ValueError, match="not a route table"):
         sm90_policy.load_table(tmp_path / "missing.json")
 

@@ -44,8 +44,8 @@ def _table(family: str, winner: str, heads=(8, 16, 32, 64, 128)):
     """A route table whose every row picks ``winner``."""
     fast, slow = 1.0, 2.0
     lib, fm = (fast, slow) if winner == sm90_policy.LIBRARY else (slow, fast)
-    return tuple(sm90_policy.RouteRow(family, h, t, e, lib, fm) for h in heads for t in (1, 4096)
-                 for e in (128, 1 << 16)), f"every call: {winner}"
+    return sm90_policy.RouteTable((sm90_policy.RouteRow(family, h, t, e, lib, fm) for h in heads for t in (1, 4096)
+                                   for e in (128, 1 << 16)), f"every call: {winner}")
 
 
 def _vllm_v4_decode(T, heads, swa_page, extra_topk, extra_page, *, gen):
@@ -187,16 +187,14 @@ def test_sglang_v4_decode_through_the_route(T, heads, ratio, extra_topk):
 
 
 def test_the_route_follows_the_policy_on_the_measured_table():
-    """With the shipped table (``sm90_policy.EVIDENCE``): on the registry's Hopper deployments the
-    route runs what ``choose`` names, shape by shape."""
-    rows, source = sm90_policy.EVIDENCE, sm90_policy.EVIDENCE_SOURCE
-    if not rows:
-        pytest.skip("no measured route table in sm90_policy.EVIDENCE")
+    """With the shipped table (``sm90_policy.SHIPPED``): on the registry's Hopper deployments the
+    route runs what it chooses, shape by shape."""
+    table = sm90_policy.SHIPPED
     gen = torch.Generator().manual_seed(seed_for("route policy"))
     for heads, T, extra in ((16, 1, 512), (16, 8, 512), (32, 64, 1024), (8, 256, 512), (64, 256, 512)):
         kw, _, _ = _vllm_v4_decode(T, heads, 64, extra, 64, gen=gen)
         engine = StandInFlashMLA()
-        route = sm90_route.make_route(engine, LOG, "vLLM", table=(rows, source))
+        route = sm90_route.make_route(engine, LOG, "vLLM", table=table)
         within_site(site("vLLM _forward_decode", heads, False), route, **kw)
-        want = sm90_policy.choose("model1", heads, T, 128 + extra, rows)
+        want = table.choose("model1", heads, T, 128 + extra)
         assert engine.calls == (want == sm90_policy.FLASHMLA), (heads, T, extra, want)

@@ -354,16 +354,18 @@ FLASHINFER_VERSION = "0.7.4"
 
 def _flashinfer_module(monkeypatch, calls: list, *, dsv4=True, mla=True, kv_cache_format=True, raises=None):
     """A stand-in ``flashinfer`` package: ``flashinfer.decode`` with the two functions vLLM
-    calls on SM120, of flashinfer-python 0.7.4's signatures (as ``dispatch.adapters`` records
-    them), recording each call's arguments (or raising ``raises``)."""
+    calls on SM120, of flashinfer-python 0.7.4's signatures (``flashinfer/mla/_core.py``; the
+    call shapes of ``dispatch.engines`` take the same parameters, ``tests/test_engine_call_shapes.py``),
+    recording each call's arguments (or raising ``raises``)."""
     def trtllm_batch_decode_sparse_mla_dsv4(
             query, swa_kv_cache, workspace_buffer, sparse_indices=None, compressed_kv_cache=None,
             sparse_topk_lens=None, seq_lens=None, out=None, bmm1_scale=1.0, bmm2_scale=1.0, sinks=None,
             kv_layout="HND", cum_seq_lens_q=None, max_q_len=None, enable_pdl=None, swa_topk_lens=None,
             extra_sparse_indices=None, extra_sparse_topk_lens=None, backend="auto", hca_swa_indices=None,
             hca_compressed_block_tables=None, hca_seq_lens=None, hca_is_causal=True, hca_use_persistent=False,
-            hca_sparse_indices_format=None, sparse_indices_are_storage_offsets=False, sparse_topk_lens_offset=0, *,
-            kv_cache_format="fp8", dsv4_output_scale=None, dsv4_inv_rope_cos_sin_cache=None, return_lse=False):
+            hca_sparse_indices_format=None, remapped_sparse_indices_buffer=None, sparse_indices_are_storage_offsets=None,
+            dsv4_inv_rope_cos_sin_cache=None, dsv4_output_scale=None, sparse_topk_lens_offset=0,
+            multi_ctas_kv_counter_buffer=None, *, kv_cache_format="fp8"):
         calls.append(dict(locals()))
         if raises is not None:
             raise raises

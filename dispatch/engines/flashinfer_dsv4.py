@@ -133,7 +133,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     formats = DSV4_KV_CACHE_FORMATS.get(kv_cache_format) if isinstance(kv_cache_format, str) else None
     problem = _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk_lens,
                             sparse_topk_lens_offset, sparse_indices, compressed_kv_cache, extra_sparse_indices, backend,
-                            kv_cache_format, formats, unknown, return_lse, hca_swa_indices,
+                            kv_cache_format, formats, unknown, return_lse, enable_pdl, hca_is_causal, hca_swa_indices,
                             hca_compressed_block_tables, hca_seq_lens, hca_use_persistent, hca_sparse_indices_format,
                             sparse_indices_are_storage_offsets, dsv4_output_scale, dsv4_inv_rope_cos_sin_cache)
     if problem is not None:
@@ -144,7 +144,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
         q, o, sink = valid_heads(query, out, sinks, num_valid_heads, main_format, names=("query", "out"))
     # q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
     # extra_topk_length: the record from a tuple in its fields' order (a keyword call costs
-    # three times as much on this hot path; the order is tested in tests/test_adapters.py)
+    # three times as much on this hot path; the order is tested in tests/test_engine_call_shapes.py)
     given = DecodeTensors._make((q, swa_kv_cache, sparse_indices, swa_topk_lens, sink, o, None, compressed_kv_cache,
                                  extra_sparse_indices, extra_sparse_topk_lens))
     result, lse = one_shot_decode(given, sm_scale=bmm1_scale, lse_convention="natural", precision=None,
@@ -184,7 +184,7 @@ _DEFAULTS = tuple(values[0] for values in _SERVED_VALUES)
 
 def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk_lens, sparse_topk_lens_offset,
                   sparse_indices, compressed_kv_cache, extra_sparse_indices, backend, kv_cache_format, formats,
-                  unknown, return_lse, *unserved) -> str | None:
+                  unknown, return_lse, enable_pdl, hca_is_causal, *unserved) -> str | None:
     """Why a ``trtllm_batch_decode_sparse_mla_dsv4`` call is not served (None: nothing found);
     ``formats``: ``kv_cache_format``'s pair in ``DSV4_KV_CACHE_FORMATS`` (None: not one),
     ``unknown``: the keywords no FlashInfer release this call shape follows has (named first:
@@ -213,7 +213,7 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
     if backend not in _DSV4_BACKENDS:
         return (f"backend must be one of {_DSV4_BACKENDS} (FlashInfer's SM120 kernel families; 'trtllm-gen' and "
                 f"'cute-dsl' are its SM100 ones), got {backend!r}")
-    if unserved != _DEFAULTS:  # the common call leaves them all at FlashInfer's defaults: one compare
+    if any(v is not d for v, d in zip(unserved, _DEFAULTS)):  # the common call leaves them all at the defaults
         given = [name for name, value, served in zip(_UNSERVED_NAMES, unserved, _SERVED_VALUES)
                  if not any(value is s for s in served)]
         if given:
@@ -222,8 +222,10 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
     if type(sparse_topk_lens_offset) is not int or sparse_topk_lens_offset != 0:
         return (f"sparse_topk_lens_offset must be the int 0 (it offsets sparse_topk_lens, FlashInfer's SM100 "
                 f"length), got {sparse_topk_lens_offset!r}")
-    if type(return_lse) is not bool:
-        return f"return_lse must be True or False, got {return_lse!r}"
+    for flag, value, allowed in (("return_lse", return_lse, (True, False)), ("enable_pdl", enable_pdl, (True, False, None)),
+                                 ("hca_is_causal", hca_is_causal, (True, False))):
+        if not any(value is a for a in allowed):
+            return f"{flag} must be {' or '.join(map(repr, allowed))}, got {value!r}"
     if formats is None:
         return f"kv_cache_format must be one of {sorted(DSV4_KV_CACHE_FORMATS)}, got {kv_cache_format!r}"
     return None

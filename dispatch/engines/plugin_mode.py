@@ -107,13 +107,13 @@ def family_to_install(log, engine: str, capability) -> str | None:
 def announce_first_call(fn, log, text: str):
     """``fn``, logging ``text`` once per process at its first call (a forked worker inherits a
     patched function without the plugin's start-up line)."""
-    called = []
+    told = [None]  # the pid that said it: a forked child has its own first call
 
     @functools.wraps(fn)
     def first_call_told(*args, **kwargs):
-        if not called:
-            called.append(os.getpid())
-            log.warning("dsv4-sparse-mla: %s (pid %d, first call)", text, os.getpid())
+        if told[0] != os.getpid():
+            told[0] = os.getpid()
+            log.warning("dsv4-sparse-mla: %s (pid %d, first call)", text, told[0])
         return fn(*args, **kwargs)
 
     return first_call_told

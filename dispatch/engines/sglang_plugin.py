@@ -78,10 +78,10 @@ def register(capability=None) -> None:
             flashinfer_sparse_mla_forward, LOG,
             "SGLang's flashinfer_sparse_mla_forward served by dispatch.engines.flashinfer_mla"), hook_type.REPLACE)
     else:
-        from .sm90_route import route_rows
+        from .sm90_route import route_table
 
         try:  # a route table named by DSV4_MLA_SM90_ROUTE_TABLE is read now, not at the first decode
-            table = route_rows()
+            table = route_table()
         except ValueError as err:
             LOG.error("dsv4-sparse-mla: %s", err)
             raise
@@ -131,7 +131,7 @@ def sm120_call(**kwargs):
 
 def sm90_around(table):
     """The AROUND hook of FlashMLA's function: SGLang passes its original with each call;
-    ``table``: the (rows, source) the route chooses by (``sm90_route.route_rows``)."""
+    ``table``: the ``sm90_policy.RouteTable`` the route chooses by (``sm90_route.route_table``)."""
     from .sm90_route import make_route
 
     routes = {}

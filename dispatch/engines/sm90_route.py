@@ -28,20 +28,19 @@ FLASHMLA_KEYWORDS = frozenset((
     "softmax_scale", "causal", "is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache",
     "topk_length", "extra_topk_length", "out", "enable_batch_invariant"))
 SGLANG_KEYWORDS = frozenset(("descale_q", "descale_k", "kv_format", "use_legacy"))
-# SGLang's kv_format names for FlashMLA's 656-byte rows (``dsa_backend.py``): with and without rope
+# SGLang's kv_format names (``dsa_backend.py``): V3.2's 656-byte rows, GLM-5.3's rope-free 528-byte
+# rows (no family of the route's table: FlashMLA serves them)
 SGLANG_KV_FORMATS = {None: None, "V32": "v32_fp8", "V32_NO_ROPE": "glm_nope_fp8"}
 # the cache formats FlashMLA's sparse decode reads, by the last dimension of the cache view
 FORMAT_BY_WIDTH = {584: "model1_fp8", 656: "v32_fp8"}
 ROUTE_TABLE_ENV = "DSV4_MLA_SM90_ROUTE_TABLE"
 
 
-def route_rows() -> tuple[tuple[sm90_policy.RouteRow, ...], str]:
-    """The rows the route chooses by, and where they come from: the file ``ROUTE_TABLE_ENV``
-    names (``dsv4-mla-selftest --route-table``), else ``sm90_policy.EVIDENCE``."""
+def route_table() -> sm90_policy.RouteTable:
+    """The table the route chooses by: the file ``ROUTE_TABLE_ENV`` names
+    (``dsv4-mla-selftest --route-table``), else the shipped one (``sm90_policy.SHIPPED``)."""
     path = os.environ.get(ROUTE_TABLE_ENV, "").strip()
-    if path:
-        return sm90_policy.load_table(path)
-    return sm90_policy.EVIDENCE, sm90_policy.EVIDENCE_SOURCE or "sm90_policy.EVIDENCE"
+    return sm90_policy.load_table(path) if path else sm90_policy.SHIPPED
 
 
 def call_shape(kwargs: dict, site: Site) -> tuple[str, str, int, int] | None:
@@ -50,28 +49,29 @@ def call_shape(kwargs: dict, site: Site) -> tuple[str, str, int, int] | None:
     if kwargs.get("indices") is None or kwargs.get("is_fp8_kvcache") is not True:
         return None
     if kwargs.get("enable_batch_invariant") or kwargs.get("causal") or kwargs.get("descale_q") is not None \
-            or kwargs.get("descale_k") is not None:
-        return None
+            or kwargs.get("descale_k") is not None or kwargs.get("use_legacy") is False:
+        return None  # (use_legacy=False: SGLang's interleaved V4.1 layout on SM100, no record this route reads)
     q, cache, indices = kwargs.get("q"), kwargs.get("k_cache"), kwargs["indices"]
     if getattr(q, "dim", lambda: 0)() != 4 or getattr(cache, "dim", lambda: 0)() != 4 or indices.dim() != 3:
         return None
     named = kwargs.get("kv_format")
     fmt = SGLANG_KV_FORMATS.get(named, "?") if named is not None else FORMAT_BY_WIDTH.get(cache.shape[-1])
-    if fmt is None or fmt == "?" or not 1 <= site.real_heads <= q.shape[-2]:
+    family = sm90_policy.FAMILY_OF_FORMAT.get(fmt)
+    if family is None or not 1 <= site.real_heads <= q.shape[-2]:
         return None
     extra = kwargs.get("extra_indices_in_kvcache")
     extra_cache = kwargs.get("extra_k_cache")
     if extra_cache is not None and (extra is None or extra_cache.shape[-1] != cache.shape[-1]):
         return None
     entries = indices.shape[-1] + (extra.shape[-1] if extra_cache is not None else 0)
-    return fmt, sm90_policy.FAMILY_OF_FORMAT[fmt], q.shape[0] * q.shape[1], entries
+    return fmt, family, q.shape[0] * q.shape[1], entries
 
 
-def make_route(original, log: logging.Logger, engine: str, table=None):
+def make_route(original, log: logging.Logger, engine: str, table: sm90_policy.RouteTable | None = None):
     """The engine's FlashMLA function ``original``, routed: same arguments, same return
-    (``(out, lse)``; the lse None where the site does not read it). ``table``: (rows, source)
-    to choose by, instead of ``route_rows()``."""
-    rows, source = route_rows() if table is None else table
+    (``(out, lse)``; the lse None where the site does not read it). ``table``: the
+    ``sm90_policy.RouteTable`` to choose by, instead of ``route_table()``."""
+    table = route_table() if table is None else table
     told: set = set()
 
     def tell(key, message, *args):
@@ -93,11 +93,11 @@ def make_route(original, log: logging.Logger, engine: str, table=None):
             return original(*args, **kwargs)
         fmt, family, tokens, entries = shape
         q = kwargs["q"]
-        choice = sm90_policy.choose(family, site.real_heads, tokens, entries, rows)
+        choice = table.choose(family, site.real_heads, tokens, entries)
         tell((choice, site.name), "%s (pid %d): first call routed to %s (%s cache, %d real of %d heads, %d tokens, "
              "%d entries; route table: %s)", site.name, os.getpid(),
              "this library" if choice == sm90_policy.LIBRARY else f"{engine}'s FlashMLA", fmt, site.real_heads,
-             q.shape[-2], tokens, entries, source)
+             q.shape[-2], tokens, entries, table.source)
         if choice != sm90_policy.LIBRARY:
             return original(*args, **kwargs)
         return flashmla.flash_mla_with_kvcache(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import itertools
 import os
 import sys
 
@@ -27,12 +26,19 @@ ENTRY_POINTS = {"vllm": ("vllm.general_plugins", "dispatch.engines.vllm_plugin:r
                 "sglang": ("sglang.srt.plugins", "dispatch.engines.sglang_plugin:register")}
 # the tokens per call the route table is shown for (decode, with MTP drafts, to batched decode)
 SHOWN_TOKENS = (1, 2, 4, 8, 64, 256)
-# the entries per token of each model's decode on Hopper: DeepSeek-V4 / V4.1's SWA window of
-# 128 plus the compressed list of a ratio-4 layer (V4-Flash 512, V4-Pro 1024); the indexer's
-# 2048 of DeepSeek-V3.2 / GLM-5
-HOPPER_LISTS = {"deepseek-v4-flash": ("model1", 128 + 512), "deepseek-v4-pro": ("model1", 128 + 1024),
-                "deepseek-v4.1-flash": ("model1", 128 + 512), "deepseek-v3.2": ("v32", 2048),
-                "glm-5": ("v32", 2048)}
+def hopper_layers() -> dict:
+    """(registry model key, heads per GPU) -> the (family, entries per token) of its layers whose
+    cache FlashMLA reads, from the deployment registry (``dispatch.policy.registry``)."""
+    from ..policy.registry import DEPLOYMENT_SHAPES
+
+    layers: dict = {}
+    for key, model in MODELS.items():
+        for shape in DEPLOYMENT_SHAPES:
+            family = sm90_policy.FAMILY_OF_FORMAT.get(shape.kv_format)
+            if shape.model != model.name or family is None or shape.extra_kv_format not in (None, shape.kv_format):
+                continue
+            layers.setdefault((key, shape.num_heads), set()).add((family, shape.topk + shape.extra_topk))
+    return {k: sorted(v) for k, v in layers.items()}
 
 
 def _described(obj) -> str:
@@ -106,19 +112,18 @@ def _apply(engine: str, family: str, capability) -> tuple[list[str], str | None]
     return lines, None
 
 
-def route_lines(rows, source: str) -> list[str]:
-    """The route's choice for the registry's Hopper deployments at ``SHOWN_TOKENS``."""
-    lines = [f"  route table: {source} ({len(rows)} rows)"]
-    if not rows:
+def route_lines(table: sm90_policy.RouteTable) -> list[str]:
+    """The route's choice for each layer of the registry's deployments at ``SHOWN_TOKENS``."""
+    lines = [f"  route table: {table.source} ({len(table)} rows)"]
+    if not len(table):
         lines.append("    no measured rows: every call goes to FlashMLA")
         return lines
     lines.append(f"    {'model':<22} {'TP':>3} {'heads':>5} {'entries':>7}  tokens " +
                  " ".join(f"{t:>4}" for t in SHOWN_TOKENS))
-    for key, (family, entries) in HOPPER_LISTS.items():
-        model = MODELS[key]
-        for tp in model.tps:
-            heads = model.heads // tp
-            picks = [sm90_policy.choose(family, heads, t, entries, rows) for t in SHOWN_TOKENS]
+    for (key, heads), layers in hopper_layers().items():
+        tp = MODELS[key].heads // heads
+        for family, entries in layers:
+            picks = [table.choose(family, heads, t, entries) for t in SHOWN_TOKENS]
             lines.append(f"    {key:<22} {tp:>3} {heads:>5} {entries:>7}         " +
                          " ".join(f"{'lib' if p == sm90_policy.LIBRARY else 'fmla':>4}" for p in picks))
     return lines
@@ -171,14 +176,14 @@ def main(argv=None) -> int:
             print(f"    plugin raised {error}")
         print("\n".join(lines))
     if wanted and family == "sm90":
-        from .sm90_route import route_rows
+        from .sm90_route import route_table
 
         try:
-            rows, source = route_rows()
+            table = route_table()
         except ValueError as err:
             print(f"  {err}")
             return 1
-        print("\n".join(route_lines(rows, source)))
+        print("\n".join(route_lines(table)))
     return 1 if failed else 0
 
 

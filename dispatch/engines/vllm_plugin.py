@@ -126,7 +126,7 @@ def _install_sm120() -> None:
 
 
 def _install_sm90() -> None:
-    from .sm90_route import make_route, route_rows
+    from .sm90_route import make_route, route_table
 
     ops, error = plugin_mode.import_module(SM90_FLASHMLA[0])
     name = SM90_FLASHMLA[1]
@@ -145,11 +145,11 @@ def _install_sm90() -> None:
             raise _missing(f"{module_name}.{cls_name}.{method}")
         methods.append((cls, method, f"vLLM {cls_name}.{method} ({label})", heads_from, wants_lse))
     try:
-        rows, source = route_rows()
+        table = route_table()
     except ValueError as err:
         LOG.error("dsv4-sparse-mla: %s", err)
         raise
-    route = make_route(original, LOG, "vLLM")
+    route = make_route(original, LOG, "vLLM", table=table)
     for module in (ops, *callers):
         setattr(module, name, route)
     for cls, method, label, heads_from, wants_lse in methods:
@@ -157,7 +157,7 @@ def _install_sm90() -> None:
     LOG.warning("dsv4-sparse-mla: vLLM %s on sm_90 (%s=%s): FlashMLA's sparse decode (%s) routed per shape between "
                 "this library and FlashMLA (route table: %s, %d rows) at %s",
                 plugin_mode.engine_version("vllm"), plugin_mode.ENV, _env(),
-                ", ".join(f"{m.__name__}.{name}" for m in (ops, *callers)), source, len(rows),
+                ", ".join(f"{m.__name__}.{name}" for m in (ops, *callers)), table.source, len(table),
                 ", ".join(m[2] for m in methods))
 
 

@@ -3,40 +3,43 @@ FlashMLA: a measured policy, and the measurements it is read from.
 
 The engines call FlashMLA's SM90 sparse decode with the query heads padded to 64 or 128 (its
 only head counts). This library computes the real heads only; FlashMLA's ``wgmma`` kernel is
-faster where many real heads meet many tokens. ``choose`` answers, for one call, which of the
-two was faster on the measured shape nearest at or above it:
+faster where many real heads meet many tokens, and on lists much wider than their lengths.
+``RouteTable.choose`` answers for one call, by its shape:
 
 - ``family``: the cache the call reads, "model1" (DeepSeek-V4 / V4.1's 584-byte records, main
   and extra) or "v32" (DeepSeek-V3.2 / GLM-5's 656-byte rows);
 - ``heads``: the real query heads of the call (the layer's, before the engine's padding);
 - ``tokens``: the query tokens of the call;
-- ``entries``: its top-k plus its extra top-k (the entries each token attends to).
+- ``entries``: its top-k plus its extra top-k (the widths of its lists).
 
-The nearest shape at or above a call: the smallest measured head count >= ``heads``, then the
-smallest measured entry count >= ``entries`` and the smallest measured token count >=
-``tokens`` of those rows (the largest where the call is beyond every measured value). Rounding
-up keeps the choice conservative: this library's advantage shrinks as heads, entries and tokens
-grow. A call of a family with no measured row goes to FlashMLA.
+The measured shapes around a call: in each of heads, entries and tokens, the measured value at
+or below the call's and the one at or above it (one value where the call's is measured, or
+beyond every measured value). This library takes the call only where it was faster on every
+measured shape around it; otherwise, and for a family with no measured row, FlashMLA does. The
+measured times are not monotone in tokens (a split plan changes with them), so a call between
+two measured shapes goes to this library only where both agree.
 
 ``EVIDENCE``: the measured rows (``dispatch.tools.sm90_route_table``, the table of
 ``docs/performance.md``, "The Hopper route"): each row this library's routed call (the real
 heads of a query padded as the engines pad it) and FlashMLA's call on the padded query, both
 replayed from CUDA graphs with L2 cleared, in one process, on one GPU. ``dsv4-mla-selftest
---route-table FILE`` measures the same rows for a deployment on the user's GPU;
-``load_table`` reads them (``DSV4_MLA_SM90_ROUTE_TABLE`` names the file for the engine plugins).
+--route-table FILE`` measures them on the user's GPU; ``load_table`` reads them
+(``DSV4_MLA_SM90_ROUTE_TABLE`` names the file for the engine plugins).
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 LIBRARY, FLASHMLA = "library", "flashmla"
 FAMILIES = ("model1", "v32")
-# the cache formats of each family, as this library names them (``kv_format.FORMATS``)
-FAMILY_OF_FORMAT = {"model1_fp8": "model1", "v32_fp8": "v32", "glm_nope_fp8": "v32"}
+# the cache formats of each family, as this library names them (``kv_format.FORMATS``); GLM-5.3's
+# rope-free rows are no family: nothing measured, so FlashMLA serves them
+FAMILY_OF_FORMAT = {"model1_fp8": "model1", "v32_fp8": "v32"}
 
 
 @dataclass(frozen=True)
@@ -288,29 +291,50 @@ EVIDENCE: tuple[RouteRow, ...] = tuple(RouteRow(*r) for r in (
 ))
 
 
-def _at_or_above(values, wanted: int) -> int:
-    """The smallest of ``values`` >= ``wanted``, else the largest."""
-    above = [v for v in values if v >= wanted]
-    return min(above) if above else max(values)
+def _around(values, wanted: int) -> set:
+    """The measured values next to ``wanted``: the largest <= it and the smallest >= it (the
+    nearest one where it is outside them all)."""
+    below, above = [v for v in values if v <= wanted], [v for v in values if v >= wanted]
+    return {max(below) if below else min(values), min(above) if above else max(values)}
 
 
-@functools.lru_cache(maxsize=4096)
-def _choose(rows: tuple[RouteRow, ...], family: str, heads: int, tokens: int, entries: int) -> str:
-    rows = [r for r in rows if r.family == family]
-    if not rows:
-        return FLASHMLA
-    h = _at_or_above({r.heads for r in rows}, heads)
-    rows = [r for r in rows if r.heads == h]
-    e = _at_or_above({r.entries for r in rows}, entries)
-    rows = [r for r in rows if r.entries == e]
-    t = _at_or_above({r.tokens for r in rows}, tokens)
-    return next(r for r in rows if r.tokens == t).winner
+class RouteTable:
+    """Measured rows and where they come from, with the choice per call shape remembered (a
+    serving loop asks the same few shapes on every layer of every step: a dict lookup)."""
+
+    def __init__(self, rows, source: str):
+        self.rows, self.source = tuple(rows), source
+        self._by_shape = {(r.family, r.heads, r.tokens, r.entries): r for r in self.rows}
+        self._memo: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def choose(self, family: str, heads: int, tokens: int, entries: int) -> str:
+        """``LIBRARY`` or ``FLASHMLA`` for one call (module docstring)."""
+        key = (family, heads, tokens, entries)
+        choice = self._memo.get(key)
+        if choice is None:
+            choice = self._memo[key] = self._choose(*key)
+        return choice
+
+    def _choose(self, family, heads, tokens, entries) -> str:
+        rows = [r for r in self.rows if r.family == family]
+        if not rows:
+            return FLASHMLA
+        around = [_around({getattr(r, dim) for r in rows}, value)
+                  for dim, value in (("heads", heads), ("tokens", tokens), ("entries", entries))]
+        measured = [self._by_shape.get((family, h, t, e)) for h, t, e in itertools.product(*around)]
+        measured = [r for r in measured if r is not None]
+        return LIBRARY if measured and all(r.winner == LIBRARY for r in measured) else FLASHMLA
 
 
-def choose(family: str, heads: int, tokens: int, entries: int, rows: tuple[RouteRow, ...] | None = None) -> str:
-    """``LIBRARY`` or ``FLASHMLA`` for one call (module docstring), by ``rows`` (default
-    ``EVIDENCE``). Cached: a serving loop asks the same few shapes every step."""
-    return _choose(EVIDENCE if rows is None else rows, family, heads, tokens, entries)
+SHIPPED = RouteTable(EVIDENCE, EVIDENCE_SOURCE)
+
+
+def choose(family: str, heads: int, tokens: int, entries: int, rows=None) -> str:
+    """``LIBRARY`` or ``FLASHMLA`` for one call by ``rows`` (default the shipped table)."""
+    return (SHIPPED if rows is None else RouteTable(rows, "given")).choose(family, heads, tokens, entries)
 
 
 def to_json(rows, source: str) -> str:
@@ -318,18 +342,30 @@ def to_json(rows, source: str) -> str:
     return json.dumps({"source": source, "rows": [asdict(r) for r in rows]}, indent=1)
 
 
-def load_table(path) -> tuple[tuple[RouteRow, ...], str]:
-    """(rows, source) from a file ``to_json`` (or ``dsv4-mla-selftest --route-table``) wrote;
-    ValueError naming the file and what is wrong with it."""
+def _row_problem(row: RouteRow) -> str | None:
+    ints = (row.heads, row.tokens, row.entries)
+    times = (row.library_us, row.flashmla_us)
+    if row.family not in FAMILIES:
+        return f"family {row.family!r} is not one of {FAMILIES}"
+    if not all(type(v) is int and v >= 1 for v in ints):
+        return f"heads, tokens and entries must be positive ints, got {ints}"
+    if not all(type(v) in (int, float) and math.isfinite(v) and v > 0 for v in times):
+        return f"the times must be positive numbers, got {times}"
+    return None
+
+
+def load_table(path) -> RouteTable:
+    """The rows of a file ``to_json`` (or ``dsv4-mla-selftest --route-table``) wrote, with its
+    source; ValueError naming the file and what is wrong with it."""
     try:
         data = json.loads(Path(path).read_text())
         rows = tuple(RouteRow(**{k: row[k] for k in RouteRow.__dataclass_fields__}) for row in data["rows"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a route table ({type(err).__name__}: {err}); "
                          f"dsv4-mla-selftest --route-table FILE writes one") from None
-    bad = [r for r in rows if r.family not in FAMILIES or min(r.heads, r.tokens, r.entries) < 1
-           or not (r.library_us > 0 and r.flashmla_us > 0)]
-    if not rows or bad:
-        raise ValueError(f"{path}: {'no rows' if not rows else f'rows out of range: {bad[:3]}'} (families "
-                         f"{FAMILIES}, positive heads, tokens, entries and times)")
-    return rows, str(data.get("source", path))
+    problems = [(r, _row_problem(r)) for r in rows]
+    problems = [(r, p) for r, p in problems if p is not None]
+    if not rows or problems:
+        raise ValueError(f"{path}: " + ("no rows" if not rows else f"{problems[0][1]} in {problems[0][0]}")
+                         + f" ({len(problems)} bad rows of {len(rows)})")
+    return RouteTable(rows, str(data.get("source", path)))

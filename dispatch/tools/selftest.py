@@ -364,6 +364,11 @@ def main(argv=None) -> int:
     if gpu is None:
         print(line, file=sys.stderr)
         return status
+    from .selftest_peers import FLASHMLA_ARCHS
+
+    if args.route_table and gpu["arch"] not in FLASHMLA_ARCHS:  # before the self-test, not after it
+        ap.error(f"--route-table: the Hopper route's table is measured against FlashMLA, whose sparse decode runs on "
+                 f"{', '.join(FLASHMLA_ARCHS)}; this GPU is {gpu['arch']}")
     result, status = run(args, deployment, gpu)
     if not result:
         return status
@@ -376,10 +381,6 @@ def main(argv=None) -> int:
         print(f"{PROG}: {what}: {path}", file=sys.stderr)
     print(summary_line(result))
     if args.route_table:
-        if gpu["arch"] != "sm_90a":
-            print(f"{PROG}: --route-table: the Hopper route's table is measured on sm_90 GPUs, this is "
-                  f"{gpu['arch']}", file=sys.stderr)
-            return max(status, EXIT_USAGE)
         from .sm90_route_table import main as route_table
 
         route_status = route_table(["--json", args.route_table, "--flashmla", args.flashmla, "--seed",

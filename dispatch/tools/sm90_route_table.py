@@ -2,7 +2,8 @@
 against FlashMLA's SM90 sparse decode, both as the engines call them, on one GPU in one process.
 
     python -m dispatch.tools.sm90_route_table [--quick] [--flashmla MODULE] [--json out.json]
-                                              [--python evidence.py] [--check]
+                                              [--python evidence.py] [--check] [--table FILE]
+                                              [--check-only] [--seed N]
     dsv4-mla-selftest ... --route-table out.json       (the same measurement, after the self-test)
 
 For each shape (family, real heads, tokens, lists): the query padded as vLLM and SGLang pad it
@@ -18,12 +19,14 @@ out=out_padded)`` (``--flashmla``: the module that has it, default ``flash_mla``
 outputs' real heads must agree (rel L2 < 2e-2) before either is timed; each call is captured
 in a CUDA graph and replayed with L2 cleared (``dispatch.tools.timing``).
 
-The file ``--json`` writes is a route table: ``DSV4_MLA_SM90_ROUTE_TABLE=out.json`` makes the
-engine plugins route by it on this GPU (an H20's or an H100's table may differ from the shipped
-one, measured on one GPU). ``--check`` then times the route itself (``dispatch.engines.sm90_route``, with the table just
-measured, or ``--table FILE``) against FlashMLA on the registry's Hopper deployments
-(``CHECK_LISTS`` x ``CHECK_TOKENS``): what a routed engine call costs. ``--json`` writes the rows as ``sm90_policy.load_table`` reads them (a route table
-for ``DSV4_MLA_SM90_ROUTE_TABLE``), ``--python`` the ``EVIDENCE`` literal of the policy module.
+The file ``--json`` writes is a route table (``sm90_policy.load_table``):
+``DSV4_MLA_SM90_ROUTE_TABLE=out.json`` makes the engine plugins route by it on this GPU (an
+H20's or an H200's table may differ from the shipped one, measured on an H100); ``--python``
+writes the ``EVIDENCE`` literal of the policy module. ``--check`` then times the route itself
+(``dispatch.engines.sm90_route``, with the table just measured, or ``--table FILE``; with
+``--check-only`` no rows are measured and the shipped table is the default) against FlashMLA
+on the registry's Hopper deployments (``CHECK_LISTS`` x ``CHECK_TOKENS``): what a routed engine
+call costs.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def call_kwargs(shape: Shape, gen: torch.Generator) -> dict:
     return kw
 
 
-def runners(fm, shape: Shape, kw: dict, table=None) -> dict:
+def runners(fm, shape: Shape, kw: dict, table: sm90_policy.RouteTable | None = None) -> dict:
     """No-argument calls, each returning its output: FlashMLA's, this library's
     (``num_valid_heads``), and with ``table`` the route's (the site's real heads set, as the
     plugins set them). A FlashMLA without ``out=`` (SGLang's sgl-flash-mla) allocates its
@@ -151,8 +154,8 @@ def runners(fm, shape: Shape, kw: dict, table=None) -> dict:
              "library": lambda: library.flash_mla_with_kvcache(**lib_kw, kv_format=FORMAT[shape.family],
                                                                num_valid_heads=shape.heads, return_lse=False)[0]}
     if table is not None:
-        route = sm90_route.make_route(fm.flash_mla_with_kvcache, logging.getLogger("sm90_route_table"), "FlashMLA",
-                                      table=(table, "measured in this run"))
+        route = sm90_route.make_route(fm.flash_mla_with_kvcache, logging.getLogger("sm90_route_table"), "the engine",
+                                      table=table)
         route_kw = dict(fresh(), tile_scheduler_metadata=fm.get_mla_metadata()[0])
         where = site("bench", shape.heads, False)
         calls["routed"] = lambda: within_site(where, route, **route_kw)[0]
@@ -208,9 +211,9 @@ def main(argv=None) -> int:
     fm = importlib.import_module(args.flashmla)
     gen = torch.Generator().manual_seed(args.seed)
     rows, checks = [], []
-    table = sm90_policy.load_table(args.table)[0] if args.table else None
+    table = sm90_policy.load_table(args.table) if args.table else None
     if args.check_only:
-        args.check, table = True, table or sm90_policy.EVIDENCE
+        args.check, table = True, table or sm90_policy.SHIPPED
     else:
         print(f"{'shape':<28} {'library us':>10} {'FlashMLA us':>11} {'FlashMLA/lib':>12} {'agree':>8}")
     for shape in [] if args.check_only else shapes(args.quick):
@@ -235,13 +238,14 @@ def main(argv=None) -> int:
                   for r in rows]
         Path(args.python).write_text("\n".join(lines + ["))", ""]))
     if args.check:
-        table = table or tuple(rows)
+        table = table or sm90_policy.RouteTable(rows, f"measured in this run ({source})")
+        print(f"\nroute table: {table.source}")
         print(f"\n{'shape':<28} {'routed us':>10} {'FlashMLA us':>11} {'FlashMLA/routed':>15} {'route':>8}")
         for shape in check_shapes():
             kw = call_kwargs(shape, gen)
             calls = runners(fm, shape, kw, table=table)
             routed_us, fm_us = graph_time_us(calls["routed"]), graph_time_us(calls["flashmla"])
-            pick = sm90_policy.choose(shape.family, shape.heads, shape.tokens, shape.entries, table)
+            pick = table.choose(shape.family, shape.heads, shape.tokens, shape.entries)
             checks.append(dict(family=shape.family, heads=shape.heads, tokens=shape.tokens, entries=shape.entries,
                                routed_us=round(routed_us, 2), flashmla_us=round(fm_us, 2), route=pick))
             print(f"{shape.label:<28} {routed_us:>10.1f} {fm_us:>11.1f} {fm_us / routed_us:>15.2f} {pick:>8}", flush=True)
