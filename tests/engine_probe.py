@@ -4,8 +4,8 @@ through its own plugin loader on a GPU it is told it has, then its own call site
 with CPU tensors; what happened is written as JSON for the tests to assert on.
 
     python tests/engine_probe.py vllm|sglang --gpu MAJOR.MINOR [--gpu ...] --out FILE
-        [--flash-mla DIR] [--attention-classes]
-    python tests/engine_probe.py status --out FILE [--flash-mla DIR] -- ARGS   (runs dsv4-mla-engines ARGS)
+        [--flash-mla] [--attention-classes]
+    python tests/engine_probe.py status --out FILE [--flash-mla] -- ARGS   (runs dsv4-mla-engines ARGS)
 
 What the probe observes is recorded, not judged: which object each engine name holds before
 and after the loader ran, what a call raised (type, message, the frames it passed through),
@@ -18,7 +18,7 @@ Python imports on a CPU machine:
   torch), the two operator schemas (``nms``, ``qnms``) its Python registers fake kernels for
   unconditionally are defined first; vLLM's and SGLang's imports reach torchvision through
   transformers and SGLang's multimodal configs, never its ops;
-- ``flash_mla`` (``--flash-mla``, the ``sgl-flash-mla`` wheel SGLang requires, unpacked): its
+- ``flash_mla`` (``--flash-mla``, the ``sgl-flash-mla`` wheel SGLang requires, unpacked on ``PYTHONPATH``): its
   own Python, with ``flash_mla._loader`` (which loads the CUDA extensions) replaced by one whose
   ``get_ops`` raises; SGLang's ``flash_mla_interface`` imports the package at its import.
 """
@@ -170,15 +170,14 @@ def torchvision_ops_stand_in() -> None:
     import torchvision  # noqa: F401,F811
 
 
-def flash_mla_stand_in(root: str) -> None:
-    """The ``flash_mla`` package of the unpacked ``sgl-flash-mla`` wheel at ``root``, its
+def flash_mla_stand_in() -> None:
+    """The ``flash_mla`` package of the unpacked ``sgl-flash-mla`` wheel (on ``PYTHONPATH``), its
     extension loader replaced (module docstring)."""
     def get_ops(use_legacy: bool):
         raise RuntimeError("flash_mla's CUDA kernels are not loaded in this process (engine_probe stand-in)")
 
     loader = types.ModuleType("flash_mla._loader")
     loader.get_ops, loader.has_legacy = get_ops, (lambda: False)
-    sys.path.insert(0, root)
     sys.modules["flash_mla._loader"] = loader
     import flash_mla  # noqa: F401
 
@@ -544,14 +543,15 @@ def main(argv=None) -> int:
     ap.add_argument("engine", choices=list(MODES))
     ap.add_argument("--gpu", type=capability, action="append", default=[])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--flash-mla", help="the unpacked sgl-flash-mla wheel")
+    ap.add_argument("--flash-mla", action="store_true",
+                    help="stand in for flash_mla's kernels (the unpacked sgl-flash-mla wheel on PYTHONPATH)")
     ap.add_argument("--attention-classes", action="store_true")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
     torchvision_ops_stand_in()
     if args.flash_mla:
-        flash_mla_stand_in(args.flash_mla)
+        flash_mla_stand_in()
     probe, groups = MODES[args.engine]
     seen = {"entry_point": [ep.value for group in groups for ep in importlib.metadata.entry_points(group=group)
                             if ep.name == "dsv4_sparse_mla"]}

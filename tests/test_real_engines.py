@@ -134,17 +134,15 @@ def route_table(tmp_path_factory) -> Path:
     return path
 
 
-# the probe processes (tests/engine_probe.py): key -> (the wheels on PYTHONPATH, its arguments;
-# FLASH_MLA: the unpacked sgl-flash-mla wheel)
-FLASH_MLA = "<sgl-flash-mla>"
+# the probe processes (tests/engine_probe.py): key -> (the wheels on PYTHONPATH, its arguments)
 PROBES = {
     "vllm 12": (("vllm",), ("vllm", "--gpu", "12.0")),
     "vllm 9": (("vllm",), ("vllm", "--gpu", "9.0")),
     "vllm 8 10": (("vllm",), ("vllm", "--gpu", "8.0", "--gpu", "10.0", "--attention-classes")),
     "sglang 12": (("sglang",), ("sglang", "--gpu", "12.0")),
-    "sglang 9": (("sglang",), ("sglang", "--gpu", "9.0", "--flash-mla", FLASH_MLA)),
+    "sglang 9": (("sglang", "sgl-flash-mla"), ("sglang", "--gpu", "9.0", "--flash-mla")),
     "status sm_120": (("vllm", "sglang"), ("status", "--", "--gpu", "sm_120")),
-    "status sm_90": (("vllm", "sglang"), ("status", "--flash-mla", FLASH_MLA, "--", "--gpu", "sm_90")),
+    "status sm_90": (("vllm", "sglang", "sgl-flash-mla"), ("status", "--flash-mla", "--", "--gpu", "sm_90")),
 }
 CONCURRENT_PROBES = 2
 
@@ -179,8 +177,7 @@ class Probes:
     def _run(self, key: str):
         engines, args = PROBES[key]
         roots = [self.wheels.root(engine) for engine in engines]
-        args = [str(self.wheels.root("sgl-flash-mla")) if a == FLASH_MLA else a for a in args]
-        out = self.scratch / (key.replace(" ", "-") + ".json")
+        args, out = list(args), self.scratch / (key.replace(" ", "-") + ".json")
         args[1:1] = ["--out", str(out)]
         env = {**os.environ, ENV: "1", sm90_route.ROUTE_TABLE_ENV: str(self.route_table),
                "PYTHONPATH": os.pathsep.join([*map(str, roots), str(ROOT), os.environ.get("PYTHONPATH", "")])}
