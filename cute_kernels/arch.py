@@ -75,8 +75,6 @@ class Arch:
     # whether its binaries are what a deployment runs: the AOT build SASS-checks them (no
     # spills, shared memory within ``smem_per_cta``, no instruction of ``forbidden_sass``)
     ships: bool
-    registers_per_sm: int = REGISTERS_PER_SM
-    max_registers_per_thread: int = MAX_REGISTERS_PER_THREAD
     profile_of: str | None = None  # a profile: the target whose choices these are
 
     @property

@@ -30,6 +30,8 @@ from cute_kernels.sparse_mla_decode.cache_writers import (
 )
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, EXTRA_FORMATS, FORMATS, KvFormat, get_format
 
+from .runtime.decode_inputs import scalar_problem
+
 __all__ = ["FORMATS", "DEFAULT_FORMAT", "EXTRA_FORMATS", "KvFormat", "get_format", "writers", "pack", "unpack"]
 
 
@@ -39,7 +41,7 @@ def writers(kv_format: str) -> tuple[str, ...]:
 
 
 def _positive_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if scalar_problem(value, what, "int") is not None or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
     return value
 

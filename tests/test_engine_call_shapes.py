@@ -239,10 +239,11 @@ def test_dsv4_adapter_hands_each_tensor_to_its_own_field(monkeypatch):
 
 
 # ---------------------------------------------------------------------- FlashInfer's signatures, by release
+REQUIRED = object()  # a parameter the peer declares without a default (here it may default to None)
 # trtllm_batch_decode_sparse_mla_dsv4's parameters in flashinfer-python 0.7.2 and 0.7.4
 # (flashinfer/mla/_core.py; the same 31 positional parameters in both), with their defaults
 FLASHINFER_DSV4_POSITIONAL = (
-    ("query", None), ("swa_kv_cache", None), ("workspace_buffer", None), ("sparse_indices", None),
+    ("query", REQUIRED), ("swa_kv_cache", REQUIRED), ("workspace_buffer", REQUIRED), ("sparse_indices", None),
     ("compressed_kv_cache", None), ("sparse_topk_lens", None), ("seq_lens", None), ("out", None),
     ("bmm1_scale", 1.0), ("bmm2_scale", 1.0), ("sinks", None), ("kv_layout", "HND"), ("cum_seq_lens_q", None),
     ("max_q_len", None), ("enable_pdl", None), ("swa_topk_lens", None), ("extra_sparse_indices", None),
@@ -255,9 +256,9 @@ FLASHINFER_DSV4_POSITIONAL = (
 FLASHINFER_DSV4_KEYWORD_ONLY = (("kv_cache_format", "fp8"),)
 # trtllm_batch_decode_with_kv_cache_mla's 33 parameters (0.7.2 and 0.7.4: the same, none keyword-only)
 FLASHINFER_MLA_POSITIONAL = (
-    ("query", None), ("kv_cache", None), ("workspace_buffer", None), ("qk_nope_head_dim", None),
-    ("kv_lora_rank", None), ("qk_rope_head_dim", None), ("block_tables", None), ("seq_lens", None),
-    ("max_seq_len", None), ("sparse_mla_top_k", 0), ("out", None), ("bmm1_scale", 1.0), ("bmm2_scale", 1.0),
+    ("query", REQUIRED), ("kv_cache", REQUIRED), ("workspace_buffer", REQUIRED), ("qk_nope_head_dim", REQUIRED),
+    ("kv_lora_rank", REQUIRED), ("qk_rope_head_dim", REQUIRED), ("block_tables", REQUIRED), ("seq_lens", REQUIRED),
+    ("max_seq_len", REQUIRED), ("sparse_mla_top_k", 0), ("out", None), ("bmm1_scale", 1.0), ("bmm2_scale", 1.0),
     ("sinks", None), ("skip_softmax_threshold_scale_factor", None), ("enable_pdl", None), ("backend", "auto"),
     ("is_var_seq", True), ("uses_shared_paged_kv_idx", True), ("lse", None), ("return_lse", False),
     ("cute_dsl_impl", "auto"), ("kv_scale_format", "auto"), ("cum_seq_lens_q", None), ("max_q_len", None),
@@ -267,8 +268,8 @@ FLASHINFER_MLA_POSITIONAL = (
 )
 # FlashMLA's flash_mla_with_kvcache (vLLM 0.34's vendored flash_mla_interface.py; FlashMLA 9241ae3)
 FLASHMLA_POSITIONAL = (
-    ("q", None), ("k_cache", None), ("block_table", None), ("cache_seqlens", None), ("head_dim_v", None),
-    ("tile_scheduler_metadata", None), ("num_splits", None), ("softmax_scale", None), ("causal", False),
+    ("q", REQUIRED), ("k_cache", REQUIRED), ("block_table", REQUIRED), ("cache_seqlens", REQUIRED), ("head_dim_v", REQUIRED),
+    ("tile_scheduler_metadata", REQUIRED), ("num_splits", None), ("softmax_scale", None), ("causal", False),
     ("is_fp8_kvcache", False), ("indices", None), ("attn_sink", None), ("extra_k_cache", None),
     ("extra_indices_in_kvcache", None), ("topk_length", None), ("extra_topk_length", None), ("out", None),
     ("enable_batch_invariant", False),
@@ -294,7 +295,7 @@ def test_call_shapes_take_the_peers_parameters_in_their_order(fn, positional, ke
     ours = _parameters(fn, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     assert [n for n, _ in ours] == [n for n, _ in positional]
     for (name, default), (_, theirs) in zip(ours, positional):
-        assert theirs is None or default == theirs, (name, default, theirs)
+        assert theirs is REQUIRED or (default is None if theirs is None else default == theirs), (name, default, theirs)
     ours_kw = dict(_parameters(fn, inspect.Parameter.KEYWORD_ONLY))
     assert all(ours_kw[name] == default for name, default in keyword_only)
 

@@ -7,7 +7,7 @@ its DeepSeek-V3.2 ``_fp8_flash_mla_kernel`` (656-byte rows, the lse returned), a
 0.5.23's DeepSeek-V4 backend (256-token pool pages, padded heads uninitialised, padding rows'
 slots 0 with length 1, no ``out=``, ``use_legacy``). The route runs within the site the
 plugins set (the layer's real heads); the engine's own FlashMLA is a stand-in that records
-its calls, so each test also checks which of the two ran against ``sm90_policy.choose``.
+its calls, so each test also checks which of the two ran against the route table's ``choose``.
 """
 
 from __future__ import annotations

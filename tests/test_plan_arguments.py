@@ -117,17 +117,26 @@ def test_kernel_params_take_the_schema_and_at_most_the_stream():
 
 
 def test_validation_checks_the_alignment_the_plan_binds(monkeypatch):
-    """Every tensor's alignment that ``validate_call`` checks (``POINTER_ALIGN``, from the kernel
-    schemas) is the one the plan checks on every run (from the pointer arguments it binds), for
-    a call with every optional input: the one-shot call never meets an address its validation
-    passed and the plan refuses."""
-    from dispatch.runtime.decode_inputs import POINTER_ALIGN
+    """Every tensor's alignment that validation and the plan check (``POINTER_ALIGN``) is the
+    largest alignment of the pointer arguments the plan binds it to, for a call with every
+    optional input (one format, and two): no kernel assumes more of an address than every
+    path checks, nor is a tensor held to more than its kernels assume."""
+    from cute_kernels.sparse_mla_decode.kernel_args import MERGE_ARGS, PARTIAL_ARGS
+    from dispatch.runtime.decode_inputs import BIND_KEYS, POINTER_ALIGN
+    from dispatch.runtime.plan import Bind
     from tests.dispatch_inputs import NVFP4_CACHE
 
     for extra_cache in (make_cache(2, 64, device="cpu"), NVFP4_CACHE):  # one format, and two
         plan, _ = _cpu_plan(monkeypatch, topk_length=torch.zeros(2, dtype=torch.int32), attn_sink=torch.zeros(16),
                             extra_kv_cache=extra_cache, extra_indices=torch.zeros(2, 64, dtype=torch.int32),
                             extra_topk_length=torch.zeros(2, dtype=torch.int32))
+        schemas = {1: (PARTIAL_ARGS,), 2: (PARTIAL_ARGS, MERGE_ARGS), 3: (PARTIAL_ARGS, PARTIAL_ARGS, MERGE_ARGS)}[len(plan._args)]
+        bound = {}
+        for schema, args in zip(schemas, plan._args):
+            for a, v in zip(schema, args):
+                if isinstance(v, Bind) and a.kind == "ptr":
+                    bound[v.key] = max(bound.get(v.key, 1), a.align)
+        assert {field: bound[key] for field, key in BIND_KEYS.items()} == POINTER_ALIGN
         assert dict(zip(DecodeTensors._fields, plan._aligns)) == POINTER_ALIGN
 
 

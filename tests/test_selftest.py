@@ -585,6 +585,9 @@ def test_quick_selftest_on_the_gpu(tmp_path, capsys):
     assert all(r["num_heads"] == 16 and r["kv_format"] == "glm_nope_fp8" for r in rows)
     # the GPU's paths (an arch profile's: its target's) for GLM-5.3's rows, the default first
     assert data["paths"][0] == "f16" and set(data["paths"]) == set(format_precisions(gpu_target().name, "glm_nope_fp8"))
+    # and, by the arch's own facts, every path the GPU has an instruction for: "f16" and "bf16"
+    # everywhere, "fp8" where the arch has the e4m3 MMA
+    assert set(data["paths"]) >= {"f16", "bf16"} | ({"fp8"} if gpu_target().e4m3_mma else set())
     for r in rows:
         assert set(r["paths"]) == set(data["paths"]) and set(r["peers"]) == {"FlashInfer", "FlashMLA"}
         for entry in r["paths"].values():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX
+from ..arch import MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, SMEM_PER_CTA_MAX, Arch
 from . import tuning
 from .kv_format import DEFAULT_FORMAT, D_V, KvFormat, get_format, path_refusal
 from .smem import Region, SmemPlan
@@ -17,6 +17,15 @@ from .smem import Region, SmemPlan
 # the compute paths that need an instruction some archs lack: the ``arch.Arch`` field that
 # says whether an arch has it (the others run on every arch)
 PATH_NEEDS = {"fp8": "e4m3_mma", "mxf8": "block_scaled_mma"}
+
+
+def path_missing(precision: str, arch: Arch) -> str | None:
+    """Why ``arch`` has no ``precision`` path, in words (the instruction it lacks:
+    ``PATH_NEEDS``), or None where it has it."""
+    needs = PATH_NEEDS.get(precision)
+    return arch.lacks(needs) if needs else None
+
+
 HEAD_GROUPS = (1, 2)  # 16-head groups one partial-kernel CTA can cover (PartialConfig.head_groups)
 FP8_Q_REGS = 36  # FP8 path: Q operand registers per thread (2 nope tiles x 16, 4 for the rope dims)
 # "f16" path: the softmax runs on 8 warps (the nope warps, and MODEL1's rope warp with them)

@@ -33,11 +33,11 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..arch import Arch
-from .config import PATH_NEEDS, PartialConfig
+from .config import PartialConfig, path_missing
 from .epilogue import Epilogue, quad_allreduce
 from .gather import ChunkGather
 from .kernel_args import PARTIAL_ARGS, KernelParams, fake_args, launcher_signature
-from .warp_ops import ldsm_x4, mma_bf16, pack_bf16x2
+from .warp_ops import OperandConversion, ldsm_x4, mma_bf16, pack_bf16x2
 
 
 class PartialKernel:
@@ -52,11 +52,13 @@ class PartialKernel:
 
     def __init__(self, cfg: PartialConfig, arch: Arch, index_chunks: int | None = None):
         cfg.check()
-        missing = arch.lacks(PATH_NEEDS[cfg.precision]) if cfg.precision in PATH_NEEDS else None
+        missing = path_missing(cfg.precision, arch)
         if missing:
             raise ValueError(f"precision {cfg.precision!r}: {missing}")
         self.cfg = cfg
-        self.arch = arch
+        # e4m3 / e2m1 bytes to numbers: the conversion instruction, or where the arch lacks it
+        # integer operations (``OperandConversion``: sm_80 / sm_86)
+        self.conv = OperandConversion(arch.e4m3_cvt)
         self.fmt = cfg.fmt  # the cache format: its layout is compiled in
         self.hb = cfg.heads_per_cta  # heads per CTA (all groups)
         self.hg = cfg.heads_per_group  # heads per group: the MMA M tile

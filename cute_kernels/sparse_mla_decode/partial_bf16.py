@@ -44,7 +44,7 @@ from .kv_format import D_V
 from .partial import PartialKernel
 from .softmax import exchange_s, quad_online_softmax
 from .tuning import DEQUANT_VALUES
-from .warp_ops import OperandConversion, f16x2_to_f32, ue8m0_scale
+from .warp_ops import f16x2_to_f32, ue8m0_scale
 
 
 class PartialBf16Kernel(PartialKernel):
@@ -54,9 +54,6 @@ class PartialBf16Kernel(PartialKernel):
 
     def __init__(self, cfg, arch):
         super().__init__(cfg, arch)
-        # e4m3 bytes to numbers: the DSL's conversion (the e4m3 conversion instruction), or,
-        # where the arch lacks it, integer operations (``OperandConversion``)
-        self.conv = OperandConversion(arch.e4m3_cvt)
         self.wpg = cfg.warps_per_group
         self.wslice = D_V // cfg.warps_per_group  # QK and output columns per warp
         fmt = self.fmt

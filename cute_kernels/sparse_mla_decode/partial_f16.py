@@ -46,7 +46,7 @@ from .epilogue import quad_allreduce
 from .partial import PartialKernel
 from .softmax import SpreadSoftmax
 from .warp_ops import (
-    OperandConversion, byte_perm, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_f16x2,
+    byte_perm, f32_bits, f32_from_bits, ldsm_x4, mma_bf16, mma_f16, mul_f16x2, pack_f16x2,
     pow2_f32, pow2_f32_bits, rcp_approx, ue8m0_scale, warp_max_u32,
 )
 
@@ -85,11 +85,10 @@ class PartialF16Kernel(PartialKernel):
         # stages ahead (their own group); with stages + 1 buffers a late issue in chunk c
         # writes chunk c's index buffer (its indices were located at chunk c - stages + 1)
         self.late_indices = tuning.f16_late_indices(cfg.head_groups, cfg.two_ctas_per_sm)
+        # (``self.conv``: e4m3 / e2m1 bytes to f16 operands; by integer operations on sm_80 and
+        # sm_86 the operands are the values x 2**-8 / 2**-14, which the softmax's nope unit and
+        # the outputs' units take back)
         super().__init__(cfg, arch, index_chunks=cfg.stages + int(self.late_indices))
-        # e4m3 / e2m1 bytes to f16 operands: by the conversion instruction, or by integer
-        # operations (sm_80, sm_86: the operands are the values x 2**-8 / 2**-14, which the
-        # softmax's nope unit and the outputs' units take back)
-        self.conv = OperandConversion(arch.e4m3_cvt)
         # 8-entry row groups of the next chunk the rope warp issues right after the chunk-head
         # barrier; the rest after the softmax
         self.early_row_groups = tuning.EARLY_ROW_GROUPS[cfg.head_groups]

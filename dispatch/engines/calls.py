@@ -12,6 +12,7 @@ from cute_kernels.sparse_mla_decode.cache_view import format_of
 from cute_kernels.sparse_mla_decode.kv_format import KvFormat
 
 from ..policy.call_metadata import DecodeMetadata, InvalidDecodeInput
+from ..runtime.decode_inputs import scalar_problem
 from ..runtime.lse import check_convention
 
 
@@ -50,8 +51,18 @@ def flashinfer_scale_problem(bmm1_scale, bmm2_scale) -> str | None:
         if isinstance(value, torch.Tensor):
             return (f"{name} must be a real Python number, not a tensor: it would be read back to the host (a "
                     f"synchronization, wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too)")
-    if isinstance(bmm2_scale, bool) or not isinstance(bmm2_scale, (int, float)) or bmm2_scale != 1.0:
+    if scalar_problem(bmm2_scale, "bmm2_scale", "number") is not None or bmm2_scale != 1.0:
         return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale!r}"
+    return None
+
+
+def flags_problem(*flags: tuple[str, object, bool]) -> str | None:
+    """The first of ``(name, value, none_ok)`` that is not True or False (or None where
+    ``none_ok``: FlashInfer's default), in ``scalar_problem``'s words; None: all are."""
+    for name, value, none_ok in flags:
+        problem = scalar_problem(value, name, "flag", none_ok=none_ok)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -59,7 +70,7 @@ def valid_heads(q, out, sink, num_valid_heads, kv_format, *, names=("q", "out"))
     """The first ``num_valid_heads`` heads of ``q``, ``out`` and ``sink`` (views): an engine
     that pads the query heads for another kernel says how many are real, and only those are
     read and computed; the padded rows of ``out`` are left as they are."""
-    if isinstance(num_valid_heads, bool) or not isinstance(num_valid_heads, int) or not (
+    if scalar_problem(num_valid_heads, "num_valid_heads", "int") is not None or not (
             isinstance(q, torch.Tensor) and q.dim() >= 3 and 1 <= num_valid_heads <= q.shape[-2]):
         refuse(f"num_valid_heads must be an int in [1, num_heads], got {num_valid_heads!r}", q, kv_format)
     if not isinstance(out, torch.Tensor) or out.dim() != q.dim():

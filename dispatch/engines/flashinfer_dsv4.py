@@ -11,7 +11,7 @@ from cute_kernels.sparse_mla_decode.kv_format import FORMATS, MODEL1_FP8
 from ..api import one_shot_decode
 from ..runtime.decode_inputs import DecodeTensors, caller_names
 from ..runtime.lse import LSE_CONVENTIONS, convert_lse
-from .calls import check_lse_convention, flashinfer_scale_problem, refuse, valid_heads
+from .calls import check_lse_convention, flags_problem, flashinfer_scale_problem, refuse, valid_heads
 
 # the FlashInfer releases whose parameters (names, order, defaults) the call shape takes: the
 # releases the engines pin (vLLM 0.34.0: 0.7.3, not on the package index; SGLang 0.5.23: 0.7.2)
@@ -222,10 +222,10 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
     if type(sparse_topk_lens_offset) is not int or sparse_topk_lens_offset != 0:
         return (f"sparse_topk_lens_offset must be the int 0 (it offsets sparse_topk_lens, FlashInfer's SM100 "
                 f"length), got {sparse_topk_lens_offset!r}")
-    for flag, value, allowed in (("return_lse", return_lse, (True, False)), ("enable_pdl", enable_pdl, (True, False, None)),
-                                 ("hca_is_causal", hca_is_causal, (True, False))):
-        if not any(value is a for a in allowed):
-            return f"{flag} must be {' or '.join(map(repr, allowed))}, got {value!r}"
+    problem = flags_problem(("return_lse", return_lse, False), ("enable_pdl", enable_pdl, True),
+                            ("hca_is_causal", hca_is_causal, False))
+    if problem is not None:
+        return problem
     if formats is None:
         return f"kv_cache_format must be one of {sorted(DSV4_KV_CACHE_FORMATS)}, got {kv_cache_format!r}"
     return None

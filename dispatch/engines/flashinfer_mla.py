@@ -9,9 +9,9 @@ import torch
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, KvFormat
 
 from ..api import one_shot_decode
-from ..runtime.decode_inputs import DecodeTensors, caller_names
+from ..runtime.decode_inputs import DecodeTensors, caller_names, scalar_problem
 from ..runtime.lse import LSE_CONVENTIONS
-from .calls import flashinfer_scale_problem, refuse as _refuse
+from .calls import flags_problem, flashinfer_scale_problem, refuse as _refuse
 
 # FlashInfer's names of the decode's arguments (the lengths: as the call gave them)
 _MLA_NAMES = {lengths: caller_names(dict(q="query", indices="block_tables", topk_length=lengths, attn_sink="sinks",
@@ -132,14 +132,14 @@ def trtllm_batch_decode_with_kv_cache_mla(
     scale_format = kv_scale_format.lower().replace("-", "_") if isinstance(kv_scale_format, str) else None
     if scale_format not in FP32_SCALE_FORMATS:
         refuse(f"kv_scale_format must be one of {FP32_SCALE_FORMATS} (FP32 scales), got {kv_scale_format!r}")
-    if type(sparse_mla_top_k) is not int or sparse_mla_top_k <= 0:
+    if scalar_problem(sparse_mla_top_k, "sparse_mla_top_k", "int") is not None or sparse_mla_top_k <= 0:
         refuse(f"sparse_mla_top_k must be a positive int (dense MLA decode is not served), got {sparse_mla_top_k!r}")
-    for flag, value, allowed in (("return_lse", return_lse, (True, False)), ("is_var_seq", is_var_seq, (True, False)),
-                                 ("uses_shared_paged_kv_idx", uses_shared_paged_kv_idx, (True, False)),
-                                 ("enable_dcp", enable_dcp, (True, False)), ("enable_pdl", enable_pdl, (True, False, None)),
-                                 ("use_fp16_softmax", use_fp16_softmax, (True, False, None))):
-        if not any(value is a for a in allowed):
-            refuse(f"{flag} must be {' or '.join(map(repr, allowed))}, got {value!r}")
+    problem = flags_problem(("return_lse", return_lse, False), ("is_var_seq", is_var_seq, False),
+                            ("uses_shared_paged_kv_idx", uses_shared_paged_kv_idx, False),
+                            ("enable_dcp", enable_dcp, False), ("enable_pdl", enable_pdl, True),
+                            ("use_fp16_softmax", use_fp16_softmax, True))
+    if problem is not None:
+        refuse(problem)
     if backend not in ("auto", "sparse"):
         refuse(f"backend must be 'auto' or 'sparse' (the SM120 sparse backend), got {backend!r}")
     for given, what in ((skip_softmax_threshold_scale_factor is not None, "skip_softmax_threshold_scale_factor"),

@@ -15,7 +15,7 @@ import torch
 from cute_kernels.sparse_mla_decode.kv_format import D_V
 
 from ..api import one_shot_decode
-from ..runtime.decode_inputs import DecodeTensors, caller_names
+from ..runtime.decode_inputs import DecodeTensors, caller_names, scalar_problem
 from .calls import check_lse_convention, known_format, refuse, valid_heads
 
 # the engine release whose keywords the SGLang SM120 call shape takes
@@ -92,8 +92,9 @@ def flash_mla_with_kvcache(
         width = "d_qk" if fmt is None else fmt.d_qk
         refuse(f"q must be [batch, seq_q, num_heads, {width}], got {getattr(q, 'shape', type(q).__name__)}", q,
                name)
-    if not isinstance(return_lse, bool):
-        refuse(f"return_lse must be True or False, got {return_lse!r}", q, name)
+    problem = scalar_problem(return_lse, "return_lse", "flag")
+    if problem is not None:
+        refuse(problem, q, name)
     if out is None and num_valid_heads is not None:
         out = torch.empty(*q.shape[:-1], D_V if fmt is None else fmt.d_v, dtype=torch.bfloat16, device=q.device)
     given_out, sink = out, attn_sink
@@ -101,7 +102,9 @@ def flash_mla_with_kvcache(
         q, out, sink = valid_heads(q, out, attn_sink, num_valid_heads, name)
     given = DecodeTensors._make((q, k_cache, indices, topk_length, sink, out, None, extra_k_cache,
                                  extra_indices_in_kvcache, extra_topk_length))
-    result, lse = one_shot_decode(given, sm_scale=softmax_scale, lse_convention=lse_convention, precision=None,
+    # (no lse returned: none converted; the convention was checked above)
+    result, lse = one_shot_decode(given, sm_scale=softmax_scale, lse_convention=lse_convention if return_lse
+                                  else "natural", precision=None,
                                   kv_format=kv_format, extra_kv_format=extra_kv_format, keep_lse=return_lse,
                                   names=FLASHMLA_NAMES)
     if given_out is not None:

@@ -104,16 +104,36 @@ def family_to_install(log, engine: str, capability) -> str | None:
     return None
 
 
+# every OncePerProcess's keys, forgotten in a forked child (which has its own first calls)
+_ONCE_KEYS: list[set] = []
+os.register_at_fork(after_in_child=lambda: [keys.clear() for keys in _ONCE_KEYS])
+
+
+class OncePerProcess:
+    """Keys seen in this process: ``first(key)`` is True once per key and process (a forked
+    worker inherits a patched function but not the lines its parent logged). The check is a
+    set lookup: a call site asks before it formats anything."""
+
+    def __init__(self):
+        self.seen: set = set()
+        _ONCE_KEYS.append(self.seen)
+
+    def first(self, key) -> bool:
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
 def announce_first_call(fn, log, text: str):
     """``fn``, logging ``text`` once per process at its first call (a forked worker inherits a
     patched function without the plugin's start-up line)."""
-    told = [None]  # the pid that said it: a forked child has its own first call
+    once = OncePerProcess()
 
     @functools.wraps(fn)
     def first_call_told(*args, **kwargs):
-        if told[0] != os.getpid():
-            told[0] = os.getpid()
-            log.warning("dsv4-sparse-mla: %s (pid %d, first call)", text, told[0])
+        if once.first(None):
+            log.warning("dsv4-sparse-mla: %s (pid %d, first call)", text, os.getpid())
         return fn(*args, **kwargs)
 
     return first_call_told

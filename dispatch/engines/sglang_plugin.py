@@ -65,8 +65,7 @@ def register(capability=None) -> None:
     hook_type = getattr(hooks, "HookType", None)
     if registry is None or not all(hasattr(hook_type, t) for t in ("REPLACE", "AROUND")):
         raise _missing(f"{HOOKS}.HookRegistry / HookType.REPLACE, AROUND", error)
-    targets = [SM120_TARGET, SM120_GLM_TARGET] if family == "sm120" else [SM90_TARGET]
-    for path in targets + [path for path, *_ in SITE_HOOKS]:
+    for path in hooked_names(family):
         _resolve(path)  # every name first: all hooks or none
     if family == "sm120":
         from .flashinfer_mla import flashinfer_sparse_mla_forward
@@ -80,12 +79,7 @@ def register(capability=None) -> None:
     else:
         from .sm90_route import route_table
 
-        try:  # a route table named by DSV4_MLA_SM90_ROUTE_TABLE is read now, not at the first decode
-            table = route_table()
-        except ValueError as err:
-            LOG.error("dsv4-sparse-mla: %s", err)
-            raise
-        registry.register(SM90_TARGET, sm90_around(table), hook_type.AROUND)
+        registry.register(SM90_TARGET, sm90_around(route_table(LOG)), hook_type.AROUND)
     for path, label, layer_at, wants_lse in SITE_HOOKS:
         registry.register(path, _site_around(f"SGLang {path.rsplit('.', 2)[-2]} ({label})", layer_at, wants_lse),
                           hook_type.AROUND)
@@ -96,6 +90,12 @@ def register(capability=None) -> None:
                 plugin_mode.engine_version("sglang"), "sm_120 / sm_121" if family == "sm120" else "sm_90",
                 plugin_mode.ENV, os.environ.get(plugin_mode.ENV, ""), what,
                 ", ".join(p.rsplit(".", 2)[-2] + "." + p.rsplit(".", 1)[-1] for p, *_ in SITE_HOOKS))
+
+
+def hooked_names(family: str) -> list[str]:
+    """The SGLang names the plugin hooks on ``family``'s GPUs ("sm120" or "sm90")."""
+    targets = [SM120_TARGET, SM120_GLM_TARGET] if family == "sm120" else [SM90_TARGET]
+    return targets + [path for path, *_ in SITE_HOOKS]
 
 
 def _missing(what: str, cause=None) -> RuntimeError:

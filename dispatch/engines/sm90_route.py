@@ -17,8 +17,13 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
+from cute_kernels.sparse_mla_decode.kv_format import D_V, FORMAT_BY_WIDTH, FORMATS
+
 from ..policy import sm90_policy
 from . import flashmla
+from .plugin_mode import OncePerProcess
 from .sites import SITE, Site
 
 # names the engine's FlashMLA function takes: FlashMLA's own (vLLM 0.34's vendored interface)
@@ -28,19 +33,25 @@ FLASHMLA_KEYWORDS = frozenset((
     "softmax_scale", "causal", "is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache",
     "topk_length", "extra_topk_length", "out", "enable_batch_invariant"))
 SGLANG_KEYWORDS = frozenset(("descale_q", "descale_k", "kv_format", "use_legacy"))
+KNOWN_KEYWORDS = FLASHMLA_KEYWORDS | SGLANG_KEYWORDS
 # SGLang's kv_format names (``dsa_backend.py``): V3.2's 656-byte rows, GLM-5.3's rope-free 528-byte
 # rows (no family of the route's table: FlashMLA serves them)
 SGLANG_KV_FORMATS = {None: None, "V32": "v32_fp8", "V32_NO_ROPE": "glm_nope_fp8"}
-# the cache formats FlashMLA's sparse decode reads, by the last dimension of the cache view
-FORMAT_BY_WIDTH = {584: "model1_fp8", 656: "v32_fp8"}
 ROUTE_TABLE_ENV = "DSV4_MLA_SM90_ROUTE_TABLE"
 
 
-def route_table() -> sm90_policy.RouteTable:
+def route_table(log: logging.Logger | None = None) -> sm90_policy.RouteTable:
     """The table the route chooses by: the file ``ROUTE_TABLE_ENV`` names
-    (``dsv4-mla-selftest --route-table``), else the shipped one (``sm90_policy.SHIPPED``)."""
+    (``dsv4-mla-selftest --route-table``), else the shipped one (``sm90_policy.SHIPPED``). A
+    file that is not a route table raises ValueError, logged first on ``log`` (a plugin reads
+    it at start-up, not at the first decode)."""
     path = os.environ.get(ROUTE_TABLE_ENV, "").strip()
-    return sm90_policy.load_table(path) if path else sm90_policy.SHIPPED
+    try:
+        return sm90_policy.load_table(path) if path else sm90_policy.SHIPPED
+    except ValueError as err:
+        if log is not None:
+            log.error("dsv4-sparse-mla: %s", err)
+        raise
 
 
 def call_shape(kwargs: dict, site: Site) -> tuple[str, str, int, int] | None:
@@ -52,12 +63,14 @@ def call_shape(kwargs: dict, site: Site) -> tuple[str, str, int, int] | None:
             or kwargs.get("descale_k") is not None or kwargs.get("use_legacy") is False:
         return None  # (use_legacy=False: SGLang's interleaved V4.1 layout on SM100, no record this route reads)
     q, cache, indices = kwargs.get("q"), kwargs.get("k_cache"), kwargs["indices"]
-    if getattr(q, "dim", lambda: 0)() != 4 or getattr(cache, "dim", lambda: 0)() != 4 or indices.dim() != 3:
+    if not (isinstance(q, torch.Tensor) and isinstance(cache, torch.Tensor) and q.dim() == 4 and cache.dim() == 4
+            and indices.dim() == 3):
         return None
     named = kwargs.get("kv_format")
     fmt = SGLANG_KV_FORMATS.get(named, "?") if named is not None else FORMAT_BY_WIDTH.get(cache.shape[-1])
-    family = sm90_policy.FAMILY_OF_FORMAT.get(fmt)
-    if family is None or not 1 <= site.real_heads <= q.shape[-2]:
+    family = sm90_policy.FAMILY_OF_FORMAT.get(fmt)  # (None: a format FlashMLA's sparse decode does not read)
+    # a query of another width (GLM-5.3's 512 over an unnamed 656-byte cache) is not this format's call
+    if family is None or q.shape[-1] != FORMATS[fmt].d_qk or not 1 <= site.real_heads <= q.shape[-2]:
         return None
     extra = kwargs.get("extra_indices_in_kvcache")
     extra_cache = kwargs.get("extra_k_cache")
@@ -72,21 +85,17 @@ def make_route(original, log: logging.Logger, engine: str, table: sm90_policy.Ro
     (``(out, lse)``; the lse None where the site does not read it). ``table``: the
     ``sm90_policy.RouteTable`` to choose by, instead of ``route_table()``."""
     table = route_table() if table is None else table
-    told: set = set()
-
-    def tell(key, message, *args):
-        if key not in told:
-            told.add(key)
-            log.warning("dsv4-sparse-mla: " + message, *args)
+    told = OncePerProcess()  # (what, site): each said once per process, asked before anything is formatted
 
     def route(*args, **kwargs):
         site = SITE.get()
         if site is None or args:
             return original(*args, **kwargs)
-        unknown = kwargs.keys() - FLASHMLA_KEYWORDS - SGLANG_KEYWORDS
-        if unknown:
-            tell(("unknown", site.name, tuple(sorted(unknown))), "%s passes %s, which this library's route does "
-                 "not know: these calls run %s's FlashMLA", site.name, ", ".join(sorted(unknown)), engine)
+        if not KNOWN_KEYWORDS.issuperset(kwargs):
+            unknown = sorted(kwargs.keys() - KNOWN_KEYWORDS)
+            if told.first(("unknown", site.name, tuple(unknown))):
+                log.warning("dsv4-sparse-mla: %s (pid %d) passes %s, which this library's route does not know: these "
+                            "calls run %s's FlashMLA", site.name, os.getpid(), ", ".join(unknown), engine)
             return original(*args, **kwargs)
         shape = call_shape(kwargs, site)
         if shape is None:
@@ -94,14 +103,15 @@ def make_route(original, log: logging.Logger, engine: str, table: sm90_policy.Ro
         fmt, family, tokens, entries = shape
         q = kwargs["q"]
         choice = table.choose(family, site.real_heads, tokens, entries)
-        tell((choice, site.name), "%s (pid %d): first call routed to %s (%s cache, %d real of %d heads, %d tokens, "
-             "%d entries; route table: %s)", site.name, os.getpid(),
-             "this library" if choice == sm90_policy.LIBRARY else f"{engine}'s FlashMLA", fmt, site.real_heads,
-             q.shape[-2], tokens, entries, table.source)
+        if told.first((choice, site.name)):
+            log.warning("dsv4-sparse-mla: %s (pid %d): first call routed to %s (%s cache, %d real of %d heads, %d "
+                        "tokens, %d entries; route table: %s)", site.name, os.getpid(),
+                        "this library" if choice == sm90_policy.LIBRARY else f"{engine}'s FlashMLA", fmt,
+                        site.real_heads, q.shape[-2], tokens, entries, table.source)
         if choice != sm90_policy.LIBRARY:
             return original(*args, **kwargs)
         return flashmla.flash_mla_with_kvcache(
-            q, kwargs["k_cache"], None, None, kwargs.get("head_dim_v", 512), softmax_scale=kwargs.get("softmax_scale"),
+            q, kwargs["k_cache"], None, None, kwargs.get("head_dim_v", D_V), softmax_scale=kwargs.get("softmax_scale"),
             is_fp8_kvcache=True, indices=kwargs["indices"], attn_sink=kwargs.get("attn_sink"),
             extra_k_cache=kwargs.get("extra_k_cache"), extra_indices_in_kvcache=kwargs.get("extra_indices_in_kvcache"),
             topk_length=kwargs.get("topk_length"), extra_topk_length=kwargs.get("extra_topk_length"),

@@ -70,26 +70,11 @@ def _get(path: str):
     return None
 
 
-def _vllm_names(family: str) -> list[str]:
-    from . import vllm_plugin as p
-
-    if family == "sm120":
-        return ([f"{p.FLASHINFER_BINDINGS}.{name}" for name, _, _ in p.SM120_BINDINGS]
-                + [f"{p.FLASHINFER_BINDINGS}.{p.SM120_SHAPE_CHECK}"])
-    return ([".".join(p.SM90_FLASHMLA)] + [f"{c}.{p.SM90_FLASHMLA[1]}" for c in p.SM90_CALLERS]
-            + [f"{m}.{c}.{f}" for m, c, f, *_ in p.SM90_SITES])
-
-
-def _sglang_names(family: str) -> list[str]:
-    from . import sglang_plugin as p
-
-    targets = [p.SM120_TARGET, p.SM120_GLM_TARGET] if family == "sm120" else [p.SM90_TARGET]
-    return targets + [path for path, *_ in p.SITE_HOOKS]
-
-
 def _apply(engine: str, family: str, capability) -> tuple[list[str], str | None]:
     """Run ``engine``'s plugin for ``family``; (a line per patched name, the error or None)."""
-    names = _vllm_names(family) if engine == "vllm" else _sglang_names(family)
+    from . import sglang_plugin, vllm_plugin
+
+    names = vllm_plugin.patched_names(family) if engine == "vllm" else sglang_plugin.hooked_names(family)
     before = {n: _get(n) for n in names}
     try:
         if engine == "vllm":
@@ -147,8 +132,11 @@ def main(argv=None) -> int:
     if args.gpu is not None:
         cap, where = GPU_CHOICES[args.gpu], f"{args.gpu} (--gpu)"
     else:
-        cap = plugin_mode.gpu_capability()
-        where = "no CUDA GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
+        try:
+            cap = plugin_mode.gpu_capability()
+            where = "no CUDA GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
+        except Exception as err:  # as the plugins: an unreadable GPU patches nothing
+            cap, where = None, f"its compute capability cannot be read ({type(err).__name__}: {err})"
     family = None if cap is None else plugin_mode.FAMILY_BY_MAJOR.get(cap[0])
     wanted = mode is not None and family is not None and mode in ("auto", family)
     print(f"  GPU: {where}; mode: {mode or 'off'}; route: "

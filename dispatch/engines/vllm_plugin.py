@@ -100,6 +100,16 @@ def _library_function(path: str):
     return getattr({"flashinfer_dsv4": flashinfer_dsv4, "flashinfer_mla": flashinfer_mla}[module], name)
 
 
+def patched_names(family: str) -> list[str]:
+    """The vLLM names the plugin patches on ``family``'s GPUs ("sm120" or "sm90"; on sm120 also
+    the binding in each caller module already loaded)."""
+    if family == "sm120":
+        return [f"{FLASHINFER_BINDINGS}.{name}" for name, _, _ in SM120_BINDINGS] + [
+            f"{FLASHINFER_BINDINGS}.{SM120_SHAPE_CHECK}"]
+    return ([".".join(SM90_FLASHMLA)] + [f"{c}.{SM90_FLASHMLA[1]}" for c in SM90_CALLERS]
+            + [f"{m}.{c}.{f}" for m, c, f, *_ in SM90_SITES])
+
+
 def _install_sm120() -> None:
     binding, error = plugin_mode.import_module(FLASHINFER_BINDINGS)
     names = [name for name, _, _ in SM120_BINDINGS] + [SM120_SHAPE_CHECK]
@@ -144,11 +154,7 @@ def _install_sm90() -> None:
         if cls is None or not callable(getattr(cls, method, None)):
             raise _missing(f"{module_name}.{cls_name}.{method}")
         methods.append((cls, method, f"vLLM {cls_name}.{method} ({label})", heads_from, wants_lse))
-    try:
-        table = route_table()
-    except ValueError as err:
-        LOG.error("dsv4-sparse-mla: %s", err)
-        raise
+    table = route_table(LOG)
     route = make_route(original, LOG, "vLLM", table=table)
     for module in (ops, *callers):
         setattr(module, name, route)

@@ -4,16 +4,15 @@ reads (``KvFormat.paths``), and the default."""
 from __future__ import annotations
 
 from cute_kernels.arch import arch_facts
-from cute_kernels.sparse_mla_decode.config import PATH_NEEDS
+from cute_kernels.sparse_mla_decode import config
 from cute_kernels.sparse_mla_decode.kv_format import PRECISIONS, get_format, path_refusal
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
 
 
 def path_missing(precision: str, arch: str) -> str | None:
-    """Why ``arch`` has no ``precision`` path, in words (the instruction it lacks:
-    ``config.PATH_NEEDS``), or None where it has it."""
-    needs = PATH_NEEDS.get(precision)
-    return arch_facts(arch).lacks(needs) if needs else None
+    """Why the arch named ``arch`` has no ``precision`` path, in words (``config.path_missing``),
+    or None where it has it."""
+    return config.path_missing(precision, arch_facts(arch))
 
 
 def precisions_for(arch: str) -> tuple[str, ...]:

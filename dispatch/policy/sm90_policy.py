@@ -40,6 +40,7 @@ FAMILIES = ("model1", "v32")
 # the cache formats of each family, as this library names them (``kv_format.FORMATS``); GLM-5.3's
 # rope-free rows are no family: nothing measured, so FlashMLA serves them
 FAMILY_OF_FORMAT = {"model1_fp8": "model1", "v32_fp8": "v32"}
+FORMAT_OF_FAMILY = {family: fmt for fmt, family in FAMILY_OF_FORMAT.items()}
 
 
 @dataclass(frozen=True)
@@ -330,11 +331,6 @@ class RouteTable:
 
 
 SHIPPED = RouteTable(EVIDENCE, EVIDENCE_SOURCE)
-
-
-def choose(family: str, heads: int, tokens: int, entries: int, rows=None) -> str:
-    """``LIBRARY`` or ``FLASHMLA`` for one call by ``rows`` (default the shipped table)."""
-    return (SHIPPED if rows is None else RouteTable(rows, "given")).choose(family, heads, tokens, entries)
 
 
 def to_json(rows, source: str) -> str:

@@ -83,7 +83,9 @@ def caller_names(names: Mapping[str, str] | None) -> CallerNames:
     caller's)."""
     if isinstance(names, CallerNames):
         return names
-    names = dict(names or {})
+    if names is None:
+        return CORE_NAMES
+    names = dict(names)
     unknown = sorted(set(names) - set(ARGUMENT_NAMES))
     if unknown or not all(isinstance(v, str) for v in names.values()):
         raise TypeError(f"names must map arguments of the decode {ARGUMENT_NAMES} to strings, got {names!r}")
@@ -134,7 +136,9 @@ def self_overlap_problem(t: torch.Tensor, name: str) -> str | None:
     not nest. Sorted by stride, each dimension's stride must be at least the span of the
     dimensions inside it (the elements they cover); then no two elements share an address.
     A layout that interleaves disjoint elements (strides [2, 3] over [3, 2]) fails it too:
-    no kernel writes such an output."""
+    no kernel writes such an output. An empty output has no element to share."""
+    if t.numel() == 0:
+        return None
     span = 1
     for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
         if stride == 0:
@@ -159,27 +163,29 @@ def misaligned_problem(t: torch.Tensor, name: str, align: int) -> str | None:
 
 def dense_problem(t: torch.Tensor, name: str) -> str | None:
     """Why ``t`` is not a dense (strided) tensor the kernels can read by its address and
-    strides, None when it is: a sparse one (COO, CSR, ...) has no such memory."""
-    if t.layout is torch.strided:
+    strides, None when it is: a sparse one (COO, CSR, ...) or a nested one has no such memory."""
+    if t.layout is torch.strided and not t.is_nested:
         return None
-    kind = "a sparse" if "sparse" in str(t.layout) else "not a dense"
+    kind = "a sparse" if "sparse" in str(t.layout) else "a nested" if t.is_nested else "not a dense"
     return (f"{name} is {kind} tensor (layout {t.layout}): the kernels read dense (strided) memory; pass a dense "
             f"tensor ({name}.to_dense())")
 
 
-def scalar_problem(value, name: str, kind: str) -> str | None:
+def scalar_problem(value, name: str, kind: str, *, none_ok: bool = False) -> str | None:
     """Why ``value`` is not a ``kind`` argument of exactly the documented type, None when it
     is: "int" (a Python int, not a bool), "number" (an int or a float, not a bool) or "flag"
-    (a bool). Never coerced: a bool is no number, a float no int, a string or a tensor
-    neither (a tensor would be read back to the host: a synchronization)."""
+    (a bool); ``none_ok``: None too (a parameter whose default is None). Never coerced: a
+    bool is no number, a float no int, a string or a tensor neither (a tensor would be read
+    back to the host: a synchronization)."""
     if kind == "flag":
         ok = isinstance(value, bool)
         what = "True or False"
     else:
         ok = isinstance(value, (int, float) if kind == "number" else int) and not isinstance(value, bool)
         what = "a Python int" if kind == "int" else "a real Python number (int or float)"
-    if ok:
+    if ok or (none_ok and value is None):
         return None
+    what += " or None" if none_ok else ""
     shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})"
     return f"{name} must be {what}, got {shown}"
 

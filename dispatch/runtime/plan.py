@@ -34,7 +34,7 @@ from ..policy.variant_space import variant_space
 from . import loader
 from .decode_inputs import (
     BIND_KEYS, INT32_MAX, INT32_MIN, DecodeTensors, byte_span, dense_problem, layout_signature,
-    misaligned_problem, overlap_problem, overlapping_output, scale_log2, scale_problem,
+    POINTER_ALIGN, misaligned_problem, overlap_problem, overlapping_output, scale_log2, scale_problem,
 )
 
 SCRATCH_ALIGN = 256
@@ -133,10 +133,13 @@ class DecodePlan:
     def __init__(self, call, overrides: PlanOverrides | None = None):
         """``call`` is a validated call (``dispatch.api.validate_call``); ``overrides`` forces
         choices the dispatch would make (``PlanOverrides``)."""
-        selection = call.selection if overrides is None else select_for_call(call, overrides)
-        problem = launch_problem(selection, call.tensors.q.shape)  # overrides may split
-        if problem is not None:  # before any kernel is loaded
-            raise InvalidDecodeInput(call.launch_metadata, problem)
+        if overrides is None:  # the selection validation checked (``launch_problem`` included)
+            selection = call.selection
+        else:  # overrides may split: the launch checked again, before any kernel is loaded
+            selection = select_for_call(call, overrides)
+            problem = launch_problem(selection, call.tensors.q.shape)
+            if problem is not None:
+                raise InvalidDecodeInput(call.launch_metadata, problem)
         self.device_index = call.device_index
         self.device = call.tensors.q.device
         self.num_tokens, self.num_heads = call.num_tokens, call.num_heads
@@ -174,14 +177,9 @@ class DecodePlan:
         problem = int32_problem(schemas, self._args)
         if problem is not None:
             raise InvalidDecodeInput(call.launch_metadata, problem)
-        # per run() tensor, the byte alignment the kernels assume of its address (the schemas'
-        # pointer arguments it is bound to), checked on every run and bind
-        align = {}
-        for schema, args in zip(schemas, self._args):
-            for a, v in zip(schema, args):
-                if isinstance(v, Bind) and a.kind == "ptr":
-                    align[v.key] = max(align.get(v.key, 1), a.align)
-        self._aligns = tuple(align.get(key, 1) for key in BIND_KEYS.values())
+        # per run() tensor, the byte alignment the kernels assume of its address, checked on
+        # every run and bind (validation's: ``POINTER_ALIGN``)
+        self._aligns = tuple(POINTER_ALIGN.values())
         # the planned layout's byte spans (``overlapping_output``: checked on every launch)
         self._spans = tuple(0 if t is None else byte_span(t) for t in tensors)
         self._present = tuple(i for i, span in enumerate(self._spans) if span)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 import time
 
@@ -368,7 +369,10 @@ def main(argv=None) -> int:
 
     if args.route_table and gpu["arch"] not in FLASHMLA_ARCHS:  # before the self-test, not after it
         ap.error(f"--route-table: the Hopper route's table is measured against FlashMLA, whose sparse decode runs on "
-                 f"{', '.join(FLASHMLA_ARCHS)}; this GPU is {gpu['arch']}")
+                 f"{', '.join(FLASHMLA_ARCHS)}; this GPU runs {gpu['arch']}")
+    if args.route_table and importlib.util.find_spec(args.flashmla.split(".")[0]) is None:
+        ap.error(f"--route-table: no module {args.flashmla!r} here (--flashmla names FlashMLA's module: flash_mla "
+                 f"built from source, or vLLM's vllm.v1.attention.ops.flashmla)")
     result, status = run(args, deployment, gpu)
     if not result:
         return status

@@ -49,6 +49,7 @@ from ..engines import sm90_route
 from ..engines.sites import site, within_site
 from ..policy import sm90_policy
 from .sample_inputs import make_cache, make_indices
+from .selftest_peers import FLASHMLA_HEADS
 from .timing import graph_time_us
 
 NUM_BLOCKS, PAGE = 4096, 64
@@ -60,7 +61,6 @@ QUICK_TOKENS = (1, 4, 8, 64, 256)
 # 8192-wide row of which 512 are valid); DeepSeek-V3.2 / GLM-5's indexer top-k
 LISTS = (("model1", 128, 0, None, 0), ("model1", 128, 512, 64, 512), ("model1", 128, 1024, 64, 1024),
          ("model1", 128, 8192, 2, 512), ("v32", 2048, 0, None, 0))
-FORMAT = {"model1": "model1_fp8", "v32": "v32_fp8"}
 AGREE = 2e-2  # rel L2 between the two outputs' real heads (FlashMLA's e4m3 rounding against this library's)
 
 
@@ -115,8 +115,8 @@ def cache_of(kv_format: str, page: int, gen: torch.Generator) -> torch.Tensor:
 
 def call_kwargs(shape: Shape, gen: torch.Generator) -> dict:
     """FlashMLA's keyword arguments for ``shape``, as vLLM passes them (query padded)."""
-    fmt = get_format(FORMAT[shape.family])
-    padded = 64 if shape.heads <= 64 else 128
+    fmt = get_format(sm90_policy.FORMAT_OF_FAMILY[shape.family])
+    padded = next(h for h in FLASHMLA_HEADS if shape.heads <= h)  # as vLLM pads the query
     T = shape.tokens
     q = torch.zeros(T, 1, padded, fmt.d_qk, dtype=torch.bfloat16, device="cuda")
     q[:, :, :shape.heads] = torch.randn(T, 1, shape.heads, fmt.d_qk, generator=gen).to("cuda", torch.bfloat16)
@@ -151,7 +151,7 @@ def runners(fm, shape: Shape, kw: dict, table: sm90_policy.RouteTable | None = N
 
     fm_kw, lib_kw = dict(fresh(), tile_scheduler_metadata=fm.get_mla_metadata()[0]), fresh()
     calls = {"flashmla": lambda: fm.flash_mla_with_kvcache(**fm_kw)[0],
-             "library": lambda: library.flash_mla_with_kvcache(**lib_kw, kv_format=FORMAT[shape.family],
+             "library": lambda: library.flash_mla_with_kvcache(**lib_kw, kv_format=sm90_policy.FORMAT_OF_FAMILY[shape.family],
                                                                num_valid_heads=shape.heads, return_lse=False)[0]}
     if table is not None:
         route = sm90_route.make_route(fm.flash_mla_with_kvcache, logging.getLogger("sm90_route_table"), "the engine",
