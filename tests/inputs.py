@@ -9,12 +9,13 @@ import torch
 
 
 def lengths_of(kind: str | None, T: int, topk: int, gen: torch.Generator) -> torch.Tensor | None:
-    """int32 ``[T]`` lengths: None; "random" in [0, topk]; "edge": 0, past topk, negative,
+    """int32 ``[T]`` lengths: None; "random" in [0, topk]; "short" in [0, topk / 16] (a
+    ratio-128 row: about seq / 128 valid entries of its width); "edge": 0, past topk, negative,
     exactly topk, 1, INT32_MAX, then random."""
     if kind is None:
         return None
-    if kind == "random":
-        vals = torch.randint(0, topk + 1, (T,), generator=gen)
+    if kind in ("random", "short"):
+        vals = torch.randint(0, (topk if kind == "random" else topk // 16) + 1, (T,), generator=gen)
     else:
         edge = torch.tensor([0, topk + 7, -5, topk, 1, 2**31 - 1], dtype=torch.int64)
         vals = torch.cat([edge, torch.randint(0, topk + 1, (max(T - len(edge), 0),), generator=gen)])[:T]

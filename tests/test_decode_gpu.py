@@ -42,7 +42,7 @@ class Case:
     extra_topk: int | None = None  # None: no extra cache
     extra_page: int = 64
     extra_blocks: int = 40
-    lengths: str | None = None  # None | "random" | "edge"
+    lengths: str | None = None  # None | "random" | "short" | "edge" (``tests.inputs.lengths_of``)
     extra_lengths: str | None = None
     sink: str | None = None  # None | "finite" | "+inf" | "-inf" | "mixed"
     invalid: float = 0.0  # fraction of out-of-range / -1 entries
@@ -84,6 +84,10 @@ CASES = [
     Case(T=5, H=16, topk=128, extra_topk=512, extra_page=32, extra_blocks=80, lengths="random",
          extra_lengths="random", sink="finite"),
     Case(T=2, H=8, topk=128, extra_topk=8192, extra_page=64, extra_blocks=160, invalid=0.05),
+    # vLLM's ratio-128 rows: 8192 wide, a few hundred valid; the live chunks dealt out across
+    # the splits planned for the width, most splits empty
+    Case(T=3, H=16, topk=128, extra_topk=8192, extra_page=2, extra_blocks=300, lengths="random",
+         extra_lengths="short", sink="finite"),
     Case(T=7, H=16, topk=100, extra_topk=300, extra_page=2, extra_blocks=300, lengths="edge", extra_lengths="edge"),
     Case(T=7, H=32, topk=64, extra_topk=0),
     Case(T=16, H=128, topk=256, extra_topk=512, extra_page=256, extra_blocks=8, empty_tokens=True, sink="finite"),

@@ -2,8 +2,8 @@
 
 The chunks of a token are numbered main list first, then extra: chunk c < ceil(topk / 32)
 reads the main cache, the rest the extra cache (with a length tensor, only up to the last chunk
-the token's lengths reach: ``context``). A CTA walks the chunks of its split
-[c_begin, c_end). Per chunk:
+the token's lengths reach, dealt out across the splits: ``context``). A CTA walks the chunks
+of its split [c_begin, c_end) (with a length tensor, the chunks split, split + S, ...). Per chunk:
 
 - indices: one 4-byte ``cp.async`` per entry into an index buffer (``slot_buffers`` of them,
   indexed by step), ``stages`` (or ``stages + 1``) chunks ahead of its compute, so that no
@@ -79,25 +79,38 @@ class ChunkGather:
         m_limit, e_limit = self._length_limits(p.main_len, p.main_topk, p.extra_len, p.extra_topk, token)
         n_main_chunks = (p.main_topk + bn - 1) // bn
         n_chunks = n_main_chunks + (p.extra_topk + bn - 1) // bn
-        c_begin = split * p.chunks_per_split
-        c_end = cutlass.min(c_begin + p.chunks_per_split, n_chunks)
         if const_expr(self.cfg.has_topk_length or self.cfg.has_extra_topk_length):
-            # Not past the last chunk this token's lengths reach (the extra list's first
+            # Up to the last chunk this token's lengths reach (the extra list's first
             # ceil(e_limit / bn) after every main chunk; with no extra list, the main list's
-            # first ceil(m_limit / bn)): a list wider than its lengths (vLLM's ratio-128 rows,
-            # 8192 wide with about seq / 128 valid) costs what its valid entries cost, a split
-            # past them none (it writes an empty partial). Only the end moves: the splits'
-            # starts stay the plan's, kept in uniform registers with the chunk counter.
+            # first ceil(m_limit / bn)), the chunks dealt out across the splits: split s of S
+            # takes chunks s, s + S, s + 2S, ... A list wider than its lengths (vLLM's
+            # ratio-128 rows, 8192 wide with about seq / 128 valid) costs what its valid
+            # entries cost, spread over as many CTAs as it has live chunks (in contiguous
+            # ranges a few splits would walk them all); a split past them writes an empty
+            # partial. The loop's c counts this split's chunks (chunk split + c * S): split, S
+            # and c stay in uniform registers; only the count reads the lengths.
             has_extra = cutlass.min(p.extra_topk, 1)  # 0 or 1
             live = (has_extra * (n_main_chunks + (e_limit + bn - 1) // bn)
                     + (1 - has_extra) * ((m_limit + bn - 1) // bn))
-            c_end = cutlass.min(c_end, live)
+            _, launch_splits, _ = cute.arch.grid_dim()
+            ahead = cutlass.max(live - split, 0)  # live <= n_chunks: the limits are clamped to topk
+            c_begin, c_end = Int32(0), (ahead + launch_splits - 1) // launch_splits
+            # the split's chunks by the lists' widths alone: the first indices are issued up to
+            # here, not waiting for the lengths' load (indices past a length are read, not used)
+            c_listed = (n_chunks - split + launch_splits - 1) // launch_splits
+            dealt = (split, launch_splits)
+        else:
+            # the plan's contiguous range; the loop's c is the chunk itself
+            c_begin = split * p.chunks_per_split
+            c_end = cutlass.min(c_begin + p.chunks_per_split, n_chunks)
+            c_listed = c_end
+            dealt = None
         sRaw = alloc.allocate("raw_rows", cutlass.Uint8, cute.make_layout(self.stages * self.stage_bytes))
         sS = alloc.allocate("s_exchange", cutlass.Float32, s_exchange_layout)
         sMask = alloc.allocate("masks", Int32, cute.make_layout(self.slots))
         sIdx = alloc.allocate("indices", Int32, cute.make_layout((bn, self.slots)))
         return SimpleNamespace(
-            c_begin=c_begin, c_end=c_end, sS=sS,
+            c_begin=c_begin, c_end=c_end, c_listed=c_listed, dealt=dealt, sS=sS,
             # addresses taken here, at the top level: an iterator's toint() first evaluated
             # inside a dynamic if is reused by later evaluations outside it (IR that does not verify)
             tidx=tidx, n_main_chunks=n_main_chunks, raw_base=sRaw.iterator.toint(), sMask=sMask, sIdx=sIdx,
@@ -129,11 +142,13 @@ class ChunkGather:
     @cute.jit
     def start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
         """The first ``index_chunks`` chunks' indices (cp.async, in the same group as any
-        copies the kernel started before, such as Q), a wait for them (visible to every thread
-        on return), then the first ``stages - 1`` chunks' rows by every thread (in flight,
-        one cp.async group each)."""
+        copies the kernel started before, such as Q; bounded by the lists' widths,
+        ``ctx.c_listed``, so that they are in flight with the lengths' load), a wait for them
+        (visible to every thread on return), then the first ``stages - 1`` chunks' rows by
+        every thread (in flight, one cp.async group each)."""
+        c_listed = ctx.c_listed
         for k in cutlass.range_constexpr(self.index_chunks):
-            if c_begin + k < c_end:
+            if c_begin + k < c_listed:
                 self.issue_indices(ctx, c_begin + k, Int32(k))
         cute.arch.cp_async_commit_group()  # group: the first indices (and Q)
         cute.arch.cp_async_wait_group(0)
@@ -168,19 +183,24 @@ class ChunkGather:
 
     @cute.jit
     def chunk_source(self, ctx: SimpleNamespace, c: Int32):
-        """Where chunk ``c``'s entries live: (first list position, index row address, list
+        """Where the loop's chunk ``c``'s entries live (chunks dealt out across the splits:
+        chunk ``split + c * S``, see ``context``): (first list position, index row address, list
         length (topk), length limit, slots in the cache, page block size, its division magic,
         block stride, cache base address, row stride (``row_bytes`` for a footer format))."""
-        pos0 = c * self.bn
+        chunk = c
+        if const_expr(ctx.dealt is not None):
+            first, stride = ctx.dealt
+            chunk = first + c * stride
+        pos0 = chunk * self.bn
         if const_expr(self.fmt.inline):
             idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride = ctx.main_list
-            if c >= ctx.n_main_chunks:
-                pos0 = (c - ctx.n_main_chunks) * self.bn
+            if chunk >= ctx.n_main_chunks:
+                pos0 = (chunk - ctx.n_main_chunks) * self.bn
                 idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride = ctx.extra_list
         else:
             idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.main_list
-            if c >= ctx.n_main_chunks:
-                pos0 = (c - ctx.n_main_chunks) * self.bn
+            if chunk >= ctx.n_main_chunks:
+                pos0 = (chunk - ctx.n_main_chunks) * self.bn
                 idx_row, topk, limit, num_slots, page, magic, block_stride, base = ctx.extra_list
             row_stride = self.fmt.row_bytes
         return pos0, idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride
