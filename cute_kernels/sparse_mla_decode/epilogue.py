@@ -60,8 +60,10 @@ class Epilogue:
     def gate_and_lse2(self, total: Float32, row_max: Float32, sink_addr: Int64, head: Int32):
         """(factor for the accumulated output row, lse in log2 units) of a head whose
         probabilities sum to ``total`` after the running max ``row_max``. An empty row (no
-        valid entry) has total 0: factor 0 and lse -inf. The sink (``sink_addr``: attn_sink's
-        address) is applied in final mode."""
+        valid entry) has total 0: factor 0 and lse -inf. A row that met a NaN entry has total
+        NaN: factor 0 (its row NaN) and lse NaN, so that the merge weighs the split NaN rather
+        than skipping it as empty. The sink (``sink_addr``: attn_sink's address) is applied in
+        final mode."""
         gate = Float32(0.0)
         lse2 = -Float32.inf
         if total > 0.0:
@@ -69,6 +71,8 @@ class Epilogue:
             lse2 = row_max + cute.math.log2(total, fastmath=False)
             if const_expr(self.cfg.final_output and self.cfg.has_sink):
                 gate = gate * sink_gate(load_f32(sink_addr + Int64(head) * 4), lse2)
+        if total != total:  # NaN (an unordered compare)
+            lse2 = total
         return gate, lse2
 
     @cute.jit

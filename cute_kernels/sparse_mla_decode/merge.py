@@ -9,6 +9,11 @@ One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
     sink  : out *= 1 / (1 + exp(sink_h - lse)); lse unchanged
     empty : (every split empty) out = 0, lse = +inf
 
+A split of weight 0 (an empty split, lse -inf) adds nothing and is skipped, its partial output
+not loaded past the first batch: a list much wider than its lengths leaves most splits empty
+(``gather.ChunkGather.context``). A split that met a NaN entry has lse NaN (``Epilogue``), so
+its weight is NaN, not 0, and the NaN reaches the output.
+
 Where the arch has programmatic dependent launch (``Arch.pdl``) it is launched as a
 dependent of the partial kernel (its CTAs start while the partial kernel's last wave runs,
 and wait for it before reading); elsewhere it is an ordinary launch, which the stream starts
@@ -118,7 +123,7 @@ class MergeKernel:
                 total = total + sSum[w]
             self._accumulate_batch(acc, rO, sW, Int32(0), num_splits)
             for b0 in cutlass.range(self.cfg.split_batch, num_splits, self.cfg.split_batch, unroll=1):
-                self._load_batch(rO, o_base, o_split_stride, b0, num_splits)
+                self._load_batch(rO, o_base, o_split_stride, b0, num_splits, sW)
                 self._accumulate_batch(acc, rO, sW, b0, num_splits)
             lse2 = m + cute.math.log2(total, fastmath=False)
             gate = 1.0 / total
@@ -140,17 +145,25 @@ class MergeKernel:
             store_f32(lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_out)
 
     @cute.jit
-    def _load_batch(self, rO: cute.Tensor, o_base: Int64, o_split_stride: Int64, b0: Int32, num_splits: Int32):
-        """This thread's ``vec`` values of splits b0 .. b0 + split_batch - 1 (those that exist)."""
-        vec = self.vec
+    def _load_batch(self, rO: cute.Tensor, o_base: Int64, o_split_stride: Int64, b0: Int32, num_splits: Int32,
+                    sW: cute.Tensor | None = None):
+        """This thread's ``vec`` values of splits b0 .. b0 + split_batch - 1 (those that exist;
+        given the weights ``sW``, those of weight not 0)."""
         for k in cutlass.range_constexpr(self.cfg.split_batch):
             if b0 + k < num_splits:
-                gO = cute.make_tensor(
-                    cute.make_ptr(Float32, o_base + Int64(b0 + k) * o_split_stride, cute.AddressSpace.gmem,
-                                  assumed_align=16),
-                    cute.make_layout(vec),
-                )
-                cute.autovec_copy(gO, cute.make_tensor(rO.iterator + k * vec, cute.make_layout(vec)))
+                if const_expr(sW is None):
+                    self._load_split(rO, k, o_base + Int64(b0 + k) * o_split_stride)
+                else:
+                    if sW[b0 + k] != 0.0:  # unordered: a NaN weight is loaded
+                        self._load_split(rO, k, o_base + Int64(b0 + k) * o_split_stride)
+
+    @cute.jit
+    def _load_split(self, rO: cute.Tensor, k: cutlass.Constexpr, addr: Int64):
+        """This thread's ``vec`` values of one split's partial output into slot k of ``rO``."""
+        vec = self.vec
+        gO = cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=16),
+                              cute.make_layout(vec))
+        cute.autovec_copy(gO, cute.make_tensor(rO.iterator + k * vec, cute.make_layout(vec)))
 
     @cute.jit
     def _accumulate_batch(self, acc: cute.Tensor, rO: cute.Tensor, sW: cute.Tensor, b0: Int32, num_splits: Int32):
@@ -159,5 +172,6 @@ class MergeKernel:
         for k in cutlass.range_constexpr(self.cfg.split_batch):
             if b0 + k < num_splits:
                 w = sW[b0 + k]
-                for i in cutlass.range_constexpr(vec):
-                    acc[i] = acc[i] + rO[k * vec + i] * w
+                if w != 0.0:  # unordered: a NaN weight adds its NaN; weight 0 nothing (maybe not loaded)
+                    for i in cutlass.range_constexpr(vec):
+                        acc[i] = acc[i] + rO[k * vec + i] * w
