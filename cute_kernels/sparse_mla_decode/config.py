@@ -229,7 +229,7 @@ class MergeConfig:
     def smem_plan(self) -> SmemPlan:
         warps = self.num_threads // 32
         return SmemPlan([Region("warp_max", warps * 4, 16), Region("warp_sum", warps * 4, 16),
-                         Region("weights", self.num_threads * 4, 16)])
+                         Region("weights", self.num_threads * 4, 16), Region("warp_weighted", warps * 4, 16)])
 
     def smem_bytes(self) -> int:
         return self.smem_plan().total_bytes
@@ -239,6 +239,8 @@ class MergeConfig:
             raise ValueError(f"num_threads {self.num_threads} must split the {D_V} output dims into groups of 4")
         if self.split_batch not in tuning.MERGE_BATCHES:
             raise ValueError(f"split_batch {self.split_batch} must be one of {tuning.MERGE_BATCHES}")
+        if 32 % self.split_batch:  # the kernel reads a batch's weights from one warp's ballot
+            raise ValueError(f"split_batch {self.split_batch} must divide 32")
 
     @property
     def name(self) -> str:

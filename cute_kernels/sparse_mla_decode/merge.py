@@ -9,10 +9,10 @@ One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
     sink  : out *= 1 / (1 + exp(sink_h - lse)); lse unchanged
     empty : (every split empty) out = 0, lse = +inf
 
-A split of weight 0 (an empty split, lse -inf) adds nothing and is skipped, its partial output
-not loaded past the first batch: a list much wider than its lengths leaves most splits empty
+A batch of splits past the first whose weights are all 0 (empty splits, lse -inf) is skipped,
+its partial outputs not loaded: a list much wider than its lengths leaves most splits empty
 (``gather.ChunkGather.context``). A split that met a NaN entry has lse NaN (``Epilogue``), so
-its weight is NaN, not 0, and the NaN reaches the output.
+its weight is NaN, not 0, and its batch is loaded: the NaN reaches the output.
 
 Where the arch has programmatic dependent launch (``Arch.pdl``) it is launched as a
 dependent of the partial kernel (its CTAs start while the partial kernel's last wave runs,
@@ -89,6 +89,7 @@ class MergeKernel:
         sMax = alloc.allocate("warp_max", Float32, cute.make_layout(nwarps))
         sSum = alloc.allocate("warp_sum", Float32, cute.make_layout(nwarps))
         sW = alloc.allocate("weights", Float32, cute.make_layout(self.cfg.num_threads))
+        sWeighted = alloc.allocate("warp_weighted", Int32, cute.make_layout(nwarps))
         lse_s = -Float32.inf
         if tidx < num_splits:
             lse_s = gLse[tidx]
@@ -106,6 +107,9 @@ class MergeKernel:
             m_base = Float32(0.0)
         w_s = cute.math.exp2(lse_s - m_base, fastmath=True)  # 0 for an empty or absent split
         sW[tidx] = w_s
+        weighted = cute.arch.vote_ballot_sync(w_s != 0.0)  # bit l: split 32 w + l's weight is not 0 (or NaN)
+        if tidx % 32 == 0:
+            sWeighted[tidx // 32] = weighted
         for offset in (16, 8, 4, 2, 1):
             w_s = w_s + cute.arch.shuffle_sync_bfly(w_s, offset=offset, mask=-1, mask_and_clamp=31)
         if tidx % 32 == 0:
@@ -123,8 +127,13 @@ class MergeKernel:
                 total = total + sSum[w]
             self._accumulate_batch(acc, rO, sW, Int32(0), num_splits)
             for b0 in cutlass.range(self.cfg.split_batch, num_splits, self.cfg.split_batch, unroll=1):
-                self._load_batch(rO, o_base, o_split_stride, b0, num_splits, sW)
-                self._accumulate_batch(acc, rO, sW, b0, num_splits)
+                # the batch's bits of its warp's ballot (a batch lies within one warp's 32 splits)
+                bits = sWeighted[b0 // 32] >> (b0 % 32)
+                if const_expr(self.cfg.split_batch < 32):
+                    bits = bits & ((1 << self.cfg.split_batch) - 1)
+                if bits != 0:
+                    self._load_batch(rO, o_base, o_split_stride, b0, num_splits)
+                    self._accumulate_batch(acc, rO, sW, b0, num_splits)
             lse2 = m + cute.math.log2(total, fastmath=False)
             gate = 1.0 / total
             if const_expr(self.cfg.has_sink):
@@ -145,25 +154,17 @@ class MergeKernel:
             store_f32(lse.toint() + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_out)
 
     @cute.jit
-    def _load_batch(self, rO: cute.Tensor, o_base: Int64, o_split_stride: Int64, b0: Int32, num_splits: Int32,
-                    sW: cute.Tensor | None = None):
-        """This thread's ``vec`` values of splits b0 .. b0 + split_batch - 1 (those that exist;
-        given the weights ``sW``, those of weight not 0)."""
+    def _load_batch(self, rO: cute.Tensor, o_base: Int64, o_split_stride: Int64, b0: Int32, num_splits: Int32):
+        """This thread's ``vec`` values of splits b0 .. b0 + split_batch - 1 (those that exist)."""
+        vec = self.vec
         for k in cutlass.range_constexpr(self.cfg.split_batch):
             if b0 + k < num_splits:
-                if const_expr(sW is None):
-                    self._load_split(rO, k, o_base + Int64(b0 + k) * o_split_stride)
-                else:
-                    if sW[b0 + k] != 0.0:  # unordered: a NaN weight is loaded
-                        self._load_split(rO, k, o_base + Int64(b0 + k) * o_split_stride)
-
-    @cute.jit
-    def _load_split(self, rO: cute.Tensor, k: cutlass.Constexpr, addr: Int64):
-        """This thread's ``vec`` values of one split's partial output into slot k of ``rO``."""
-        vec = self.vec
-        gO = cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=16),
-                              cute.make_layout(vec))
-        cute.autovec_copy(gO, cute.make_tensor(rO.iterator + k * vec, cute.make_layout(vec)))
+                gO = cute.make_tensor(
+                    cute.make_ptr(Float32, o_base + Int64(b0 + k) * o_split_stride, cute.AddressSpace.gmem,
+                                  assumed_align=16),
+                    cute.make_layout(vec),
+                )
+                cute.autovec_copy(gO, cute.make_tensor(rO.iterator + k * vec, cute.make_layout(vec)))
 
     @cute.jit
     def _accumulate_batch(self, acc: cute.Tensor, rO: cute.Tensor, sW: cute.Tensor, b0: Int32, num_splits: Int32):
@@ -172,6 +173,5 @@ class MergeKernel:
         for k in cutlass.range_constexpr(self.cfg.split_batch):
             if b0 + k < num_splits:
                 w = sW[b0 + k]
-                if w != 0.0:  # unordered: a NaN weight adds its NaN; weight 0 nothing (maybe not loaded)
-                    for i in cutlass.range_constexpr(vec):
-                        acc[i] = acc[i] + rO[k * vec + i] * w
+                for i in cutlass.range_constexpr(vec):
+                    acc[i] = acc[i] + rO[k * vec + i] * w
