@@ -462,17 +462,22 @@ def test_a_merged_call_takes_at_most_65535_heads():
     ("model1_fp8", "f16"), ("model1_fp8", "bf16"), pytest.param("model1_fp8", "fp8", marks=pytest.mark.e4m3_mma),
     ("model1_nvfp4", "f16"),
 ])
-def test_a_nan_code_in_a_selected_entry_makes_its_tokens_out_nan(kv_format, precision):
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_a_nan_code_in_a_selected_entry_makes_its_tokens_out_nan(kv_format, precision, num_splits):
     """The formats' NaN bytes as the formats define them (e4m3 0x7F / 0xFF; for NVFP4 an E4M3
     scale byte 0x7F, what the V4.1 FP4 writer stores for a group holding a NaN), on every
     path and arch route (the instruction, or sm_80 / sm_86's integer operations with their NaN
-    test): one entry of token 1 made NaN makes that token's out NaN in every head, as in the
-    float64 reference, and leaves every other token as the reference has it. (That token's
-    lse is not compared: the epilogue reads a NaN row sum as an empty row's.)"""
+    test): one entry of token 1 made NaN makes that token's out and lse NaN in every head, as
+    in the float64 reference, and leaves every other token as the reference has it.
+    ``num_splits``: the dispatch's plan; one split (the partial kernel writes out and lse);
+    three, with token 1's length reaching only its first chunk (the NaN in one split, its
+    other splits empty: the merge must not read the token as empty)."""
     device = torch.device("cuda")
     case = Case(T=4, H=16, topk=96, kv_format=kv_format)
-    seed = seed_for(f"nan code {precision} {case}")
+    seed = seed_for(f"nan code {precision} splits={num_splits} {case}")
     q, cache, idx, kw = build_inputs(case, device, seed)
+    if num_splits == 3:
+        kw["topk_length"] = torch.tensor([96, 20, 96, 90], dtype=torch.int32, device=device)
     view = read_cache_view(cache, kv_format)
     slot = int(idx[1, 5])
     others = torch.cat([idx[:1], idx[2:]])
@@ -482,18 +487,30 @@ def test_a_nan_code_in_a_selected_entry_makes_its_tokens_out_nan(kv_format, prec
     fmt = view.fmt
     if fmt.e2m1:  # the E4M3 scale of the entry's first 16 values, in its footer record
         view.blocks[block, case.page * fmt.row_bytes + row * fmt.footer_bytes] = 0x7F
-    else:  # a value in its second nope tile, a negative NaN
-        view.blocks[block, row * view.row_stride + 100] = 0xFF
-    out, lse = sparse_mla_decode(q, cache, idx, precision=precision, **kw)
+    else:  # a value in its second nope tile, a negative NaN (a footer format's rows: row_bytes apart)
+        view.blocks[block, row * (view.row_stride if fmt.inline else fmt.row_bytes) + 100] = 0xFF
+    if num_splits is None:
+        out, lse = sparse_mla_decode(q, cache, idx, precision=precision, **kw)
+    else:
+        tensors = {k: v for k, v in kw.items() if k not in ("sm_scale", "kv_format")}
+        out = torch.full((case.T, case.H, 512), -7.0, dtype=torch.bfloat16, device=device)
+        lse = torch.full((case.T, case.H), -7.0, dtype=torch.float32, device=device)
+        plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision,
+                                      overrides=PlanOverrides(num_splits=num_splits), kv_format=kv_format, **tensors)
+        assert plan.num_splits == num_splits
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
     ref_out, ref_lse = reference_decode(q, cache, idx, **kw)
     torch.cuda.synchronize()
-    assert torch.isnan(ref_out[1]).all() and not torch.isnan(ref_out[[0, 2, 3]]).any()
-    assert torch.isnan(out[1].float()).all(), f"[seed {seed}] a NaN code in token 1's entries: its out is not NaN"
+    assert torch.isnan(ref_out[1]).all() and torch.isnan(ref_lse[1]).all()
+    assert not torch.isnan(ref_out[[0, 2, 3]]).any()
+    what = f"[seed {seed}] a NaN code in token 1's entries ({precision}, num_splits={num_splits})"
+    assert torch.isnan(out[1].float()).all(), f"{what}: its out is not NaN"
+    assert torch.isnan(lse[1]).all(), f"{what}: its lse is not NaN"
     keep = [0, 2, 3]
     kw_keep = {k: (v[keep] if k in ("topk_length",) and v is not None else v) for k, v in kw.items()}
     floor = rounding_floor(precision, q[keep], cache=cache, idx=idx[keep], kw=kw_keep, ref_out=ref_out[keep])
     check_against_reference(out[keep], lse[keep], ref_out[keep], ref_lse[keep], floor=floor, seed=seed,
-                            what=f"{precision} {case} the tokens without the NaN entry")
+                            what=f"{precision} splits={num_splits} {case} the tokens without the NaN entry")
 
 
 INTEGER_ROUTE_CASE = Case(T=6, H=32, topk=256, extra_topk=128, lengths="random", extra_lengths="random", sink="mixed",

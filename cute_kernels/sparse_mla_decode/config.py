@@ -229,7 +229,7 @@ class MergeConfig:
     def smem_plan(self) -> SmemPlan:
         warps = self.num_threads // 32
         return SmemPlan([Region("warp_max", warps * 4, 16), Region("warp_sum", warps * 4, 16),
-                         Region("weights", self.num_threads * 4, 16), Region("warp_weighted", warps * 4, 16)])
+                         Region("weights", self.num_threads * 4, 16), Region("warp_nonempty", warps * 4, 16)])
 
     def smem_bytes(self) -> int:
         return self.smem_plan().total_bytes

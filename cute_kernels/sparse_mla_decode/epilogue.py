@@ -61,8 +61,8 @@ class Epilogue:
         """(factor for the accumulated output row, lse in log2 units) of a head whose
         probabilities sum to ``total`` after the running max ``row_max``. An empty row (no
         valid entry) has total 0: factor 0 and lse -inf. A row that met a NaN entry has total
-        NaN: factor 0 (its row NaN) and lse NaN, so that the merge weighs the split NaN rather
-        than skipping it as empty. The sink (``sink_addr``: attn_sink's address) is applied in
+        NaN: factor 0 (its row NaN) and lse NaN, which the merge's max takes, not skipping the
+        split as empty (``merge.py``). The sink (``sink_addr``: attn_sink's address) is applied in
         final mode."""
         gate = Float32(0.0)
         lse2 = -Float32.inf
@@ -79,12 +79,15 @@ class Epilogue:
     def store_lse(self, total: Float32, lse2: Float32, token: Int32, split: Int32, num_splits: Int32,
                   num_heads: Int32, head: Int32, lse_part_addr: Int64, lse_addr: Int64,
                   lse_stride_t: Int64, lse_stride_h: Int64):
-        """A head's lse: natural log (+inf for an empty row) in final mode, the split's log2
-        lse in split mode (``lse_part_addr`` / ``lse_addr``: the tensors' addresses)."""
+        """A head's lse: natural log (+inf for an empty row, NaN for a row that met a NaN
+        entry) in final mode, the split's log2 lse in split mode (``lse_part_addr`` /
+        ``lse_addr``: the tensors' addresses)."""
         if const_expr(self.cfg.final_output):
             lse_nat = Float32.inf
             if total > 0.0:
                 lse_nat = lse2 * LN_2
+            if total != total:  # NaN (an unordered compare)
+                lse_nat = total
             store_f32(lse_addr + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_nat)
         else:
             store_f32(lse_part_addr + ((Int64(token) * num_splits + split) * num_heads + head) * 4, lse2)

@@ -74,7 +74,9 @@ class ChunkGather:
         """Allocate the gather's shared memory (after the compute path's own regions: raw
         stages, the S exchange laid out as ``s_exchange_layout``, validity masks, indices)
         and gather what the issuing steps read about the two lists into a namespace; also
-        this split's chunk range [c_begin, c_end) and the S exchange tensor ``sS``."""
+        the range [c_begin, c_end) of this split's chunk loop (the chunks themselves, or with a
+        length tensor the split's count of them: ``chunk_source``) and the S exchange tensor
+        ``sS``."""
         bn = self.bn
         m_limit, e_limit = self._length_limits(p.main_len, p.main_topk, p.extra_len, p.extra_topk, token)
         n_main_chunks = (p.main_topk + bn - 1) // bn

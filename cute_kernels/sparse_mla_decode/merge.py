@@ -2,17 +2,18 @@
 
 One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
 
-    m     = max_s lse2_s                    (log2 units, -inf for an empty split)
+    m     = max_s lse2_s                    (log2 units, -inf for an empty split; NaN if any is)
     w_s   = 2**(lse2_s - m)
     out   = sum_s w_s * O_s / sum_s w_s     (each O_s is already normalized)
     lse   = (m + log2(sum_s w_s)) * ln 2    (natural log, as FlashMLA returns it)
     sink  : out *= 1 / (1 + exp(sink_h - lse)); lse unchanged
     empty : (every split empty) out = 0, lse = +inf
 
-A batch of splits past the first whose weights are all 0 (empty splits, lse -inf) is skipped,
-its partial outputs not loaded: a list much wider than its lengths leaves most splits empty
-(``gather.ChunkGather.context``). A split that met a NaN entry has lse NaN (``Epilogue``), so
-its weight is NaN, not 0, and its batch is loaded: the NaN reaches the output.
+A batch of splits past the first whose splits are all empty (lse -inf) is skipped, its partial
+outputs not loaded: a list much wider than its lengths leaves most splits empty
+(``gather.ChunkGather.context``). A split that met a NaN entry has lse NaN (``Epilogue``): the
+max takes it (a NaN-propagating max), so every weight, the output and the lse are NaN, as in
+the reference.
 
 Where the arch has programmatic dependent launch (``Arch.pdl``) it is launched as a
 dependent of the partial kernel (its CTAs start while the partial kernel's last wave runs,
@@ -89,27 +90,29 @@ class MergeKernel:
         sMax = alloc.allocate("warp_max", Float32, cute.make_layout(nwarps))
         sSum = alloc.allocate("warp_sum", Float32, cute.make_layout(nwarps))
         sW = alloc.allocate("weights", Float32, cute.make_layout(self.cfg.num_threads))
-        sWeighted = alloc.allocate("warp_weighted", Int32, cute.make_layout(nwarps))
+        sNonempty = alloc.allocate("warp_nonempty", Int32, cute.make_layout(nwarps))
         lse_s = -Float32.inf
         if tidx < num_splits:
             lse_s = gLse[tidx]
         m = lse_s
         for offset in (16, 8, 4, 2, 1):
-            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset, mask=-1, mask_and_clamp=31))
+            other = cute.arch.shuffle_sync_bfly(m, offset=offset, mask=-1, mask_and_clamp=31)
+            m = cute.arch.fmax(m, other, nan=True)
         if tidx % 32 == 0:
             sMax[tidx // 32] = m
         cute.arch.sync_threads()
         m = sMax[0]
         for w in cutlass.range_constexpr(1, nwarps):
-            m = cute.arch.fmax(m, sMax[w])
+            m = cute.arch.fmax(m, sMax[w], nan=True)
         m_base = m
         if m == -Float32.inf:
             m_base = Float32(0.0)
         w_s = cute.math.exp2(lse_s - m_base, fastmath=True)  # 0 for an empty or absent split
         sW[tidx] = w_s
-        weighted = cute.arch.vote_ballot_sync(w_s != 0.0)  # bit l: split 32 w + l's weight is not 0 (or NaN)
+        # bit l: split 32 w + l is not empty (unordered: NaN counts)
+        nonempty = cute.arch.vote_ballot_sync(lse_s != -Float32.inf)
         if tidx % 32 == 0:
-            sWeighted[tidx // 32] = weighted
+            sNonempty[tidx // 32] = nonempty
         for offset in (16, 8, 4, 2, 1):
             w_s = w_s + cute.arch.shuffle_sync_bfly(w_s, offset=offset, mask=-1, mask_and_clamp=31)
         if tidx % 32 == 0:
@@ -128,7 +131,7 @@ class MergeKernel:
             self._accumulate_batch(acc, rO, sW, Int32(0), num_splits)
             for b0 in cutlass.range(self.cfg.split_batch, num_splits, self.cfg.split_batch, unroll=1):
                 # the batch's bits of its warp's ballot (a batch lies within one warp's 32 splits)
-                bits = sWeighted[b0 // 32] >> (b0 % 32)
+                bits = sNonempty[b0 // 32] >> (b0 % 32)
                 if const_expr(self.cfg.split_batch < 32):
                     bits = bits & ((1 << self.cfg.split_batch) - 1)
                 if bits != 0:
