@@ -11,6 +11,9 @@ from dispatch.runtime.decode_inputs import byte_span
 from dispatch.runtime.plan import DecodePlan
 from dispatch.tools.sample_inputs import make_cache, make_indices
 
+# an RTX PRO 6000 (sm_120a, 188 SMs) for ``validate_call(_target=...)``: validation and plans with no GPU
+SM120_TARGET = ("sm_120a", 188, SM120_SMEM_PER_SM)
+
 
 MODEL1 = MODEL1_FP8.name
 
@@ -64,7 +67,7 @@ def _cpu_plan(monkeypatch, precision="f16", **kwargs):
     base = _inputs()
     base.update(kwargs)
     call = validate_call(base.pop("q"), base.pop("kv_cache"), base.pop("indices"), precision=precision,
-                         _target=("sm_120a", 188, SM120_SMEM_PER_SM), **base)
+                         _target=SM120_TARGET, **base)
     return DecodePlan(call), call
 
 

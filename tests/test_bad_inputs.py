@@ -14,7 +14,7 @@ seed, printed on failure):
 5. a scalar of another type than documented (a bool, a string, a tensor or a list for
    ``sm_scale``, ``precision``, the formats; ``pack``'s byte counts and page size as floats,
    strings, bools or 0);
-6. inputs that were refused with the wrong exception or words: an ``sm_scale`` int past float
+6. inputs whose refusal's exception and words are pinned: an ``sm_scale`` int past float
    range, sparse tensors, a float16 extra cache, a tensor for an int, integer or empty latents.
 
 Classes 1 to 4 are the decode's (the packers write no output, launch nothing and read any
@@ -41,19 +41,18 @@ import torch
 
 from cute_kernels.sparse_mla_decode import cache_writers
 from dispatch import InvalidDecodeInput, api, kv_formats, plan_sparse_mla_decode, sparse_mla_decode, validate_call
-from dispatch.policy.registry import SM120_SMEM_PER_SM
 from dispatch.runtime import loader, plan as plan_module, plan_cache
 from dispatch.runtime.decode_inputs import POINTER_ALIGN, DecodeTensors
 from dispatch.runtime.plan import DecodePlan
 from dispatch.engines.flashinfer_dsv4 import DSV4_KV_CACHE_FORMATS, DSV4_NAMES, trtllm_batch_decode_sparse_mla_dsv4
 from dispatch.engines.flashmla import FLASHMLA_NAMES, flash_mla_with_kvcache
 from dispatch.tools.sample_inputs import make_cache, make_indices
-from tests.dispatch_inputs import NVFP4_CACHE, _misaligned
+from tests.dispatch_inputs import NVFP4_CACHE, SM120_TARGET, _misaligned
 from tests.tolerances import seed_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 
-TARGET = ("sm_120a", 188, SM120_SMEM_PER_SM)
+TARGET = SM120_TARGET
 DRAWS = 3  # draws of each class per entry point
 MODEL1, NVFP4 = "model1_fp8", "model1_nvfp4"
 CACHES = {MODEL1: make_cache(4, 64, device="cpu", gen=torch.Generator().manual_seed(43)), NVFP4: NVFP4_CACHE}

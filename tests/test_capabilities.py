@@ -17,13 +17,12 @@ from dispatch import InvalidDecodeInput
 from dispatch.engines.flashinfer_dsv4 import DSV4_KV_CACHE_FORMATS
 from dispatch.api import validate_call
 from dispatch.policy.precision import check_format_precision, format_precisions, precisions_for
-from dispatch.policy.registry import SM120_SMEM_PER_SM
 from dispatch.policy.variant_space import variant_space
 from dispatch.runtime import plan as plan_module
 from dispatch.runtime.plan import DecodePlan
 from dispatch.tools.sample_inputs import make_cache, make_indices
 
-from .dispatch_inputs import _stub_kernels
+from .dispatch_inputs import SM120_TARGET, _stub_kernels
 
 
 def test_each_format_is_read_by_the_paths_its_layout_allows():
@@ -101,7 +100,7 @@ def test_a_new_format_from_existing_parts_is_one_entry_and_its_writers(monkeypat
     extra = make_cache(2, 64, device="cpu", kv_format=V41_NVFP4.name, gen=gen)
     q = torch.randn(2, 16, new.d_qk, generator=gen).to(torch.bfloat16)
     kw = dict(kv_format=new.name, extra_kv_cache=extra, extra_indices=make_indices(2, 64, 128, device="cpu"),
-              extra_kv_format=V41_NVFP4.name, _target=("sm_120a", 188, SM120_SMEM_PER_SM))
+              extra_kv_format=V41_NVFP4.name, _target=SM120_TARGET)
     call = validate_call(q, cache, make_indices(2, 128, 256, device="cpu"), for_plan=True, **kw)
     assert call.fmt is new and call.extra.fmt.name == V41_NVFP4.name and call.precision == "f16"
     plan = DecodePlan(call)

@@ -263,6 +263,9 @@ def test_the_route_hands_calls_it_does_not_read_to_flashmla(monkeypatch, caplog)
         with caplog.at_level("WARNING"):
             assert within_site(where, route, **{**base, **odd})[0] == "FlashMLA"
     assert len(calls) == 5 and "passes a_new_keyword, which this library's route does not know" in caplog.text
+    with caplog.at_level("WARNING"):  # the engines pass keywords only: a positional call is said, then passed on
+        assert within_site(where, route, base["q"], **{k: v for k, v in base.items() if k != "q"})[0] == "FlashMLA"
+    assert len(calls) == 6 and "passes 1 positional arguments, which this library's route does not read" in caplog.text
 
 
 def test_route_policy_takes_a_call_only_where_every_measured_shape_around_it_agrees():
@@ -351,6 +354,16 @@ def test_sglang_sm120_call_computes_the_real_heads_of_its_site(monkeypatch):
     hook = sglang_plugin._site_around("test", 3, False)
     layer = types.SimpleNamespace(tp_q_head_num=8)
     assert hook(lambda self, *a, **kw: SITE.get().real_heads, object(), "q", "k", "v", layer, "batch") == 8
+
+
+def test_sglang_site_hook_says_when_a_layer_has_no_head_count(caplog):
+    hook = sglang_plugin._site_around("no-heads test", 3, False)
+    layer = types.SimpleNamespace(tp_q_head_num=None)
+    with caplog.at_level("WARNING", logger=sglang_plugin.LOG.name):
+        for _ in range(2):
+            assert hook(lambda self, *a, **kw: SITE.get(), object(), "q", "k", "v", layer, "batch") is None
+    lines = [r.getMessage() for r in caplog.records if "no int tp_q_head_num" in r.getMessage()]
+    assert len(lines) == 1 and "no-heads test" in lines[0], lines
 
 
 @pytest.mark.parametrize("missing", ["target", "hooks"])

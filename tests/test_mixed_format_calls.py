@@ -21,7 +21,7 @@ from dispatch.policy.precision import format_precisions
 from dispatch.policy.variant_space import variant_space, variants_for
 from dispatch.runtime.plan import DecodePlan
 from dispatch.tools.sample_inputs import make_cache, make_indices
-from tests.dispatch_inputs import MODEL1, NVFP4_CACHE, _EXTRA_IDX, _cpu_plan, _inputs, _md, _stub_kernels
+from tests.dispatch_inputs import MODEL1, NVFP4_CACHE, SM120_TARGET, _EXTRA_IDX, _cpu_plan, _inputs, _md, _stub_kernels
 
 
 # the models' main + extra pairings of two formats (EXTRA_FORMATS), main first
@@ -29,7 +29,7 @@ MIXED_PAIRS = sorted((main, extra) for main, extras in EXTRA_FORMATS.items() for
 # (T, H, topk, extra_topk): decode batches, and one token against 8192 + 8192 entries
 _MIXED_SHAPES = [(1, 16, 128, 64), (4, 64, 1152, 512), (64, 128, 128, 512), (300, 8, 128, 2048), (1, 128, 8192, 8192),
                  (1, 16, 8192, 8192)]
-_TARGETS = [("sm_120a", 188, SM120_SMEM_PER_SM), ("sm_90a", 132, H200_SMEM_PER_SM)]
+_TARGETS = [SM120_TARGET, ("sm_90a", 132, H200_SMEM_PER_SM)]
 
 
 def _mixed_md(main, extra, T, H, topk, extra_topk, has_len=False, has_extra_len=False, has_sink=False, extra_page=64):
@@ -236,7 +236,7 @@ def test_overrides_num_splits_is_refused_for_a_mixed_call(monkeypatch):
     assert [(v.config.head_groups, v.config.stages) for v in sel.variants[:2]] == [(2, 2), (2, 2)], sel.variants
 
 
-_TARGET = ("sm_120a", 188, SM120_SMEM_PER_SM)
+_TARGET = SM120_TARGET
 
 
 @pytest.mark.parametrize("heads", [65535, 65536])

@@ -12,7 +12,8 @@ from dispatch import InvalidDecodeInput, sparse_mla_decode
 from dispatch.policy.call_metadata import GENERIC_MODEL_TYPE
 from dispatch.tools.sample_inputs import make_cache, make_indices
 from tests.dispatch_inputs import (
-    GLM_CACHE, GLM_POOL_CACHE, NVFP4_CACHE, V32_CACHE, V41_CACHE, V41_NVFP4_CACHE, _BATCHED, _EXTRA_IDX, _STRIDED_ROWS,
+    GLM_CACHE, GLM_POOL_CACHE, NVFP4_CACHE, SM120_TARGET, V32_CACHE, V41_CACHE, V41_NVFP4_CACHE, _BATCHED, _EXTRA_IDX,
+    _STRIDED_ROWS,
     _inputs, _misaligned,
 )
 
@@ -230,12 +231,11 @@ def test_invalid_input_is_refused_with_the_call_shape(name, overrides, kwargs, m
 @pytest.mark.parametrize("name,make,message", PAST_THE_GPU, ids=[b[0] for b in PAST_THE_GPU])
 def test_a_launch_past_the_gpus_limits_is_refused_with_the_call_shape(name, make, message):
     from dispatch import validate_call
-    from dispatch.policy.registry import SM120_SMEM_PER_SM
 
     inputs = _inputs()
     inputs.update(make())
     with pytest.raises(InvalidDecodeInput) as info:
-        validate_call(**inputs, _target=("sm_120a", 188, SM120_SMEM_PER_SM))
+        validate_call(**inputs, _target=SM120_TARGET)
     assert info.value.problem == message
     assert str(info.value).startswith(MODEL1_FP8.model_type + ": num_tokens=")
 

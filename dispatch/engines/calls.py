@@ -60,13 +60,15 @@ def flags_problem(*flags: tuple[str, object, bool]) -> str | None:
     """The first of ``(name, value, none_ok)`` that is not True or False (or None where
     ``none_ok``: FlashInfer's default), in ``scalar_problem``'s words; None: all are."""
     for name, value, none_ok in flags:
+        if value is True or value is False or (none_ok and value is None):
+            continue  # the common call: no message built
         problem = scalar_problem(value, name, "flag", none_ok=none_ok)
         if problem is not None:
             return problem
     return None
 
 
-def valid_heads(q, out, sink, num_valid_heads, kv_format, *, names=("q", "out")):
+def valid_heads(q, out, sink, num_valid_heads, kv_format):
     """The first ``num_valid_heads`` heads of ``q``, ``out`` and ``sink`` (views): an engine
     that pads the query heads for another kernel says how many are real, and only those are
     read and computed; the padded rows of ``out`` are left as they are."""
@@ -74,7 +76,7 @@ def valid_heads(q, out, sink, num_valid_heads, kv_format, *, names=("q", "out"))
             isinstance(q, torch.Tensor) and q.dim() >= 3 and 1 <= num_valid_heads <= q.shape[-2]):
         refuse(f"num_valid_heads must be an int in [1, num_heads], got {num_valid_heads!r}", q, kv_format)
     if not isinstance(out, torch.Tensor) or out.dim() != q.dim():
-        refuse(f"num_valid_heads needs {names[1]} (the padded heads' rows are left as they are)", q, kv_format)
+        refuse("num_valid_heads needs out (the padded heads' rows are left as they are)", q, kv_format)
     if isinstance(sink, torch.Tensor) and sink.dim() == 1 and sink.shape[0] == q.shape[-2]:
         sink = sink[:num_valid_heads]
     return q[..., :num_valid_heads, :], out[..., :num_valid_heads, :], sink

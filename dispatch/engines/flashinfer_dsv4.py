@@ -4,6 +4,8 @@ calls on SM12x."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from cute_kernels.sparse_mla_decode.kv_format import FORMATS, MODEL1_FP8
@@ -141,7 +143,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     main_format, extra_format = formats
     q, o, sink = query, out, sinks
     if num_valid_heads is not None:
-        q, o, sink = valid_heads(query, out, sinks, num_valid_heads, main_format, names=("query", "out"))
+        q, o, sink = valid_heads(query, out, sinks, num_valid_heads, main_format)
     # q, kv_cache, indices, topk_length, attn_sink, out, lse, extra_kv_cache, extra_indices,
     # extra_topk_length: the record from a tuple in its fields' order (a keyword call costs
     # three times as much on this hot path; the order is tested in tests/test_engine_call_shapes.py)
@@ -213,7 +215,7 @@ def _dsv4_refusal(cum_seq_lens_q, bmm1_scale, bmm2_scale, kv_layout, sparse_topk
     if backend not in _DSV4_BACKENDS:
         return (f"backend must be one of {_DSV4_BACKENDS} (FlashInfer's SM120 kernel families; 'trtllm-gen' and "
                 f"'cute-dsl' are its SM100 ones), got {backend!r}")
-    if any(v is not d for v, d in zip(unserved, _DEFAULTS)):  # the common call leaves them all at the defaults
+    if not all(map(operator.is_, unserved, _DEFAULTS)):  # the common call leaves them all at the defaults
         given = [name for name, value, served in zip(_UNSERVED_NAMES, unserved, _SERVED_VALUES)
                  if not any(value is s for s in served)]
         if given:

@@ -26,12 +26,18 @@ FP32_SCALE_FORMATS = ("auto", "pow2_fp32", "arbitrary_fp32")
 _LSE_BASES = {None: "log2_with_sink", "base2": "log2_with_sink", "basee": "natural_with_sink"}
 
 
+# the inline FP32-scale format of each (nope, rope) width pair: V3.2's rows (512 + 64, which
+# GLM-5.x uses too), GLM-5.3's (512 + 0)
+_FP32_SCALE_FORMAT_BY_WIDTHS = {(f.nope_dims, f.rope_dims): f for f in FORMATS.values() if f.fp32_scales}
+assert len(_FP32_SCALE_FORMAT_BY_WIDTHS) == sum(f.fp32_scales for f in FORMATS.values())
+
+
 def _fp32_scale_format(kv_lora_rank, qk_rope_head_dim) -> KvFormat | None:
-    """The inline FP32-scale format of these widths: V3.2's rows (512 + 64, which GLM-5.x
-    uses too), GLM-5.3's (512 + 0); None for any other pair."""
-    found = [f for f in FORMATS.values()
-             if f.fp32_scales and (f.nope_dims, f.rope_dims) == (kv_lora_rank, qk_rope_head_dim)]
-    return found[0] if len(found) == 1 else None
+    """The inline FP32-scale format of these widths; None for any other pair."""
+    try:
+        return _FP32_SCALE_FORMAT_BY_WIDTHS.get((kv_lora_rank, qk_rope_head_dim))
+    except TypeError:  # an unhashable width (a tensor, a list) is no format's
+        return None
 
 
 def _served_formats() -> str:

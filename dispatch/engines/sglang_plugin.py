@@ -36,6 +36,7 @@ from .sites import real_heads_of, site, within_site
 
 # SGLang loads plugins before it configures logging: a warning reaches the terminal
 LOG = logging.getLogger("sglang.dsv4_sparse_mla")
+_TOLD = plugin_mode.OncePerProcess()  # what the hooks say once per process
 
 HOOKS = "sglang.srt.plugins.hook_registry"
 SM120_TARGET = "sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120"
@@ -152,6 +153,10 @@ def _site_around(label: str, layer_at: int, wants_lse: bool):
         layer = args[layer_at] if len(args) > layer_at else kwargs.get("layer")
         heads = getattr(layer, "tp_q_head_num", None)
         if not isinstance(heads, int):
+            if _TOLD.first(("no heads", label)):
+                LOG.warning("dsv4-sparse-mla: SGLang %s (pid %d): the layer has no int tp_q_head_num (got %r): its "
+                            "calls are not told their real heads (every head computed on SM120, FlashMLA on sm_90)",
+                            label, os.getpid(), heads)
             return original(self, *args, **kwargs)
         return within_site(site(label, heads, wants_lse), original, self, *args, **kwargs)
 

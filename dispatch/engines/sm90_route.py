@@ -36,7 +36,7 @@ SGLANG_KEYWORDS = frozenset(("descale_q", "descale_k", "kv_format", "use_legacy"
 KNOWN_KEYWORDS = FLASHMLA_KEYWORDS | SGLANG_KEYWORDS
 # SGLang's kv_format names (``dsa_backend.py``): V3.2's 656-byte rows, GLM-5.3's rope-free 528-byte
 # rows (no family of the route's table: FlashMLA serves them)
-SGLANG_KV_FORMATS = {None: None, "V32": "v32_fp8", "V32_NO_ROPE": "glm_nope_fp8"}
+SGLANG_KV_FORMATS = {"V32": "v32_fp8", "V32_NO_ROPE": "glm_nope_fp8"}
 ROUTE_TABLE_ENV = "DSV4_MLA_SM90_ROUTE_TABLE"
 
 
@@ -89,7 +89,13 @@ def make_route(original, log: logging.Logger, engine: str, table: sm90_policy.Ro
 
     def route(*args, **kwargs):
         site = SITE.get()
-        if site is None or args:
+        if site is None:
+            return original(*args, **kwargs)
+        if args:  # the engines pass keywords only; a positional call is not read
+            if told.first(("positional", site.name)):
+                log.warning("dsv4-sparse-mla: %s (pid %d) passes %d positional arguments, which this library's "
+                            "route does not read: these calls run %s's FlashMLA", site.name, os.getpid(), len(args),
+                            engine)
             return original(*args, **kwargs)
         if not KNOWN_KEYWORDS.issuperset(kwargs):
             unknown = sorted(kwargs.keys() - KNOWN_KEYWORDS)

@@ -3,7 +3,7 @@ FlashMLA: a measured policy, and the measurements it is read from.
 
 The engines call FlashMLA's SM90 sparse decode with the query heads padded to 64 or 128 (its
 only head counts). This library computes the real heads only; FlashMLA's ``wgmma`` kernel is
-faster where many real heads meet many tokens, and on lists much wider than their lengths.
+faster where many real heads meet many tokens.
 ``RouteTable.choose`` answers for one call, by its shape:
 
 - ``family``: the cache the call reads, "model1" (DeepSeek-V4 / V4.1's 584-byte records, main

@@ -202,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flashmla", default="flash_mla", help="the module with FlashMLA's flash_mla_with_kvcache")
     ap.add_argument("--json", help="write the rows (a route table) here")
     ap.add_argument("--python", help="write the EVIDENCE literal of dispatch/policy/sm90_policy.py here")
+    ap.add_argument("--markdown", help="write the rows as docs/performance.md's table here")
     ap.add_argument("--check", action="store_true", help="then time the route itself against FlashMLA")
     ap.add_argument("--table", help="the route table --check uses (default: the rows just measured)")
     ap.add_argument("--check-only", action="store_true", help="no new rows: --check the route with --table (default: "
@@ -237,6 +238,8 @@ def main(argv=None) -> int:
         lines += [f'    ("{r.family}", {r.heads}, {r.tokens}, {r.entries}, {r.library_us}, {r.flashmla_us}),'
                   for r in rows]
         Path(args.python).write_text("\n".join(lines + ["))", ""]))
+    if args.markdown and rows:
+        Path(args.markdown).write_text(evidence_markdown(rows) + "\n")
     if args.check:
         table = table or sm90_policy.RouteTable(rows, f"measured in this run ({source})")
         print(f"\nroute table: {table.source}")
