@@ -45,12 +45,14 @@ def check_lse_convention(convention, q) -> None:
 
 def flashinfer_scale_problem(bmm1_scale, bmm2_scale) -> str | None:
     """What FlashInfer's two scales ask that the kernels do not do (None: nothing), for both
-    FlashInfer call shapes. Any other ``bmm1_scale`` is the API's ``sm_scale``, refused by its
+    FlashInfer call shapes. (A tensor scale: FlashInfer 0.7.4's SM120 V3.2 / GLM path refuses
+    it too, ``flashinfer/mla/_core.py`` l. 634-636.) Any other ``bmm1_scale`` is the API's ``sm_scale``, refused by its
     rule (``SCALE_RULE``) where it is not a usable number."""
     for name, value in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
         if isinstance(value, torch.Tensor):
             return (f"{name} must be a real Python number, not a tensor: it would be read back to the host (a "
-                    f"synchronization, wrong under CUDA-graph capture; FlashInfer's SM120 path refuses it too)")
+                    f"synchronization, wrong under CUDA-graph capture; FlashInfer's SM120 V3.2 / GLM path refuses "
+                    f"it too)")
     if scalar_problem(bmm2_scale, "bmm2_scale", "number") is not None or bmm2_scale != 1.0:
         return f"bmm2_scale must be 1.0 (the FP8 cache carries its own scales), got {bmm2_scale!r}"
     return None

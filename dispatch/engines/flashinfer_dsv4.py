@@ -16,8 +16,8 @@ from ..runtime.lse import LSE_CONVENTIONS, convert_lse
 from .calls import check_lse_convention, flags_problem, flashinfer_scale_problem, refuse, valid_heads
 
 # the FlashInfer releases whose parameters (names, order, defaults) the call shape takes: the
-# releases the engines pin (vLLM 0.34.0: 0.7.3, not on the package index; SGLang 0.5.23: 0.7.2)
-# and the newest; 0.7.2 and 0.7.4 have the same 31 positional parameters in the same order
+# releases the engines pin (vLLM 0.34.0: 0.7.3, its wheel's METADATA l. 90, not on the package
+# index; SGLang 0.5.23: 0.7.2, its METADATA l. 232) and the newest; 0.7.2 and 0.7.4 have the same 31 positional parameters in the same order
 FLASHINFER_CHECKED = "flashinfer-python 0.7.2 and 0.7.4"
 
 # FlashInfer's kv_cache_format values as (main cache format, compressed cache format); "fp8"
@@ -37,7 +37,8 @@ DSV4_NAMES = caller_names(dict(q="query", kv_cache="swa_kv_cache", indices="spar
                                topk_length="swa_topk_lens", attn_sink="sinks", extra_kv_cache="compressed_kv_cache",
                                extra_indices="extra_sparse_indices", extra_topk_length="extra_sparse_topk_lens",
                                sm_scale="bmm1_scale"))
-# FlashInfer's kernel families on SM120 ("trtllm-gen" and "cute-dsl" are SM100's): these
+# FlashInfer's kernel families on SM120 ("trtllm-gen" and "cute-dsl" are SM100's: FlashInfer
+# 0.7.4 ``flashinfer/mla/_core.py`` l. 1841, 1880-1936): these
 # kernels serve each SM120 one
 _DSV4_BACKENDS = ("auto", "sparse", "cake")
 
@@ -109,7 +110,7 @@ def trtllm_batch_decode_sparse_mla_dsv4(
     SWA entries included, which its SM120 path does not read: refused, as any
     ``sparse_topk_lens_offset`` but the int 0. ``bmm1_scale`` must be a Python number (a
     tensor would be read back to the host, a synchronization that is wrong under CUDA-graph
-    capture; FlashInfer's SM120 path refuses it too); ``bmm2_scale`` must be 1 (the cache
+    capture; ``calls.flashinfer_scale_problem``); ``bmm2_scale`` must be 1 (the cache
     carries its own scales). Accepted and not needed (this library plans its own split and
     scratch): ``workspace_buffer``, ``seq_lens``, ``max_q_len``, ``enable_pdl``,
     ``hca_is_causal``, and FlashInfer's scratch buffers ``remapped_sparse_indices_buffer`` and

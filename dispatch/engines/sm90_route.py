@@ -61,7 +61,9 @@ def call_shape(kwargs: dict, site: Site) -> tuple[str, str, int, int] | None:
         return None
     if kwargs.get("enable_batch_invariant") or kwargs.get("causal") or kwargs.get("descale_q") is not None \
             or kwargs.get("descale_k") is not None or kwargs.get("use_legacy") is False:
-        return None  # (use_legacy=False: SGLang's interleaved V4.1 layout on SM100, no record this route reads)
+        # (use_legacy=False: the token-interleaved V4.1 caches only, no record this route reads; SGLang
+        # 0.5.23 ``sglang/kernels/ops/attention/flash_mla_interface.py`` l. 5-10)
+        return None
     q, cache, indices = kwargs.get("q"), kwargs.get("k_cache"), kwargs["indices"]
     if not (isinstance(q, torch.Tensor) and isinstance(cache, torch.Tensor) and q.dim() == 4 and cache.dim() == 4
             and indices.dim() == 3):

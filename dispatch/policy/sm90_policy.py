@@ -2,7 +2,8 @@
 FlashMLA: a measured policy, and the measurements it is read from.
 
 The engines call FlashMLA's SM90 sparse decode with the query heads padded to 64 or 128 (its
-only head counts). This library computes the real heads only; FlashMLA's ``wgmma`` kernel is
+only head counts: vLLM 0.34.0 ``vllm/v1/attention/backends/mla/flashmla_sparse.py`` l. 1347,
+``vllm/models/deepseek_v4/nvidia/flashmla.py`` l. 74-81). This library computes the real heads only; FlashMLA's ``wgmma`` kernel is
 faster where many real heads meet many tokens.
 ``RouteTable.choose`` answers for one call, by its shape:
 
