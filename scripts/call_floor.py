@@ -7,7 +7,8 @@ two, timed exactly as scripts.bench times a call (graph replay, ``do_bench`` med
 L2 clear); (2) per shape, the bench time of the call and, from ``torch.profiler`` over graph
 replays each after a 256 MB L2 flush, the median GPU duration of each kernel it launches (the
 merge kernel is a programmatic dependent launch: it starts while the partial kernel runs, so
-the two durations overlap and do not add up).
+the two durations overlap and do not add up), and the merge's tail: how long after the partial
+kernel's end the merge ends.
 """
 
 from __future__ import annotations
@@ -42,11 +43,22 @@ def kernel_durations_us(fn, replays: int = 20) -> dict:
             flush.zero_()
             graph.replay()
         torch.cuda.synchronize()
-    durations = {}
+    spans = {}  # kernel name: (start, end) of each replay's launch, in replay order
     for ev in prof.events():
         if ev.device_type.name == "CUDA" and "sparse_mla" in ev.name:
-            durations.setdefault(ev.name, []).append(ev.time_range.end - ev.time_range.start)
-    return {name: sorted(d)[len(d) // 2] for name, d in durations.items()}
+            spans.setdefault(ev.name, []).append((ev.time_range.start, ev.time_range.end))
+    durations = {name: median([end - start for start, end in s]) for name, s in spans.items()}
+    partial = [s for name, s in spans.items() if "partial" in name]
+    merge = [s for name, s in spans.items() if "merge" in name]
+    if len(partial) == 1 and len(merge) == 1 and len(partial[0]) == len(merge[0]):
+        # the merge's tail: how long after the partial kernel's end the call's last kernel ends
+        durations["merge end - partial end"] = median([m[1] - p[1] for p, m in zip(sorted(partial[0]),
+                                                                                   sorted(merge[0]))])
+    return durations
+
+
+def median(values: list) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def main(argv=None) -> int:
@@ -64,7 +76,9 @@ def main(argv=None) -> int:
         fn = lambda: sparse_mla_decode(q, cache, idx, **kw)  # noqa: E731
         print(f"{spec}: bench {graph_time_us(fn):.1f} us")
         for name, us in kernel_durations_us(fn).items():
-            print(f"    {'partial' if 'partial' in name else 'merge' if 'merge' in name else name[:60]}: {us:.1f} us")
+            label = name if name.startswith("merge end") else "partial" if "partial" in name else \
+                "merge" if "merge" in name else name[:60]
+            print(f"    {label}: {us:.1f} us")
     return 0
 
 

@@ -303,7 +303,10 @@ def _forced_f16_plan_matches_reference(case: Case, what: str, overrides: PlanOve
                                                 kv_format=kw["kv_format"], extra_kv_format=kw.get("extra_kv_format"),
                                                 **tensors))
         plan = plans[0]
-        plan.run(q, cache, idx, out=out, lse=lse, scratch=plan.new_scratch(), sm_scale=kw["sm_scale"], **tensors)
+        scratch = plan.new_scratch()
+        if scratch is not None:  # NaN in every partial first: each one the merge reads is written by this call
+            scratch.fill_(0xFF)
+        plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, sm_scale=kw["sm_scale"], **tensors)
 
     outs = run_twice(case, q, idx, call, seed)
     plan = plans[0]
@@ -370,6 +373,28 @@ def test_forced_splits_and_stages_match_reference(num_splits, stages, kv_format)
     assert plan.split.num_splits == num_splits and len(plan.variants) == (1 if num_splits == 1 else 2)
     if stages is not None:
         assert plan.variants[0].config.stages == stages
+
+
+# A length variant deals a token's live chunks out across the launch's splits (split s of S:
+# chunks s, s + S, ...; ``gather.ChunkGather.context``): forced split counts that leave most
+# splits empty or give a split several chunks, both register bounds, on ratio-128 rows whose
+# tokens run from no entry to the full 8192 ("edge") or up to 512 ("short")
+LIVE_SPLIT_CASES = [Case(T=6, H=16, topk=128, extra_topk=8192, extra_page=2, extra_blocks=300, lengths="random",
+                         extra_lengths=lengths, sink="finite", invalid=0.05) for lengths in ("edge", "short")]
+
+
+@pytest.mark.parametrize("case", LIVE_SPLIT_CASES, ids=str)
+@pytest.mark.parametrize("num_splits,bounded", [(3, False), (20, False), (33, True), (65, True), (87, False)])
+def test_dealt_live_chunks_match_reference(case: Case, num_splits: int, bounded: bool):
+    if bounded:
+        target = gpu_target()
+        smem = min(torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor, target.smem_per_sm)
+        if not two_bounded_f16_ctas_fit(smem, case.kv_format, 1, bounded_f16_head_groups(target.name)):
+            pytest.skip(f"{target.label} plans no bounded 16-head kernel")
+    plan = _forced_f16_plan_matches_reference(case, f"dealt splits={num_splits} bounded={bounded}",
+                                              PlanOverrides(head_groups=1, num_splits=num_splits,
+                                                            two_ctas_per_sm=bounded))
+    assert plan.split.num_splits == num_splits and plan.variants[0].config.two_ctas_per_sm == bounded
 
 
 def test_allocates_outputs_with_leading_shape():

@@ -373,3 +373,24 @@ def test_sglang_plugin_refuses_loudly_when_a_function_moved(monkeypatch, caplog,
     with pytest.raises(RuntimeError, match="this plugin was written against SGLang 0.5.23"):
         sglang_plugin.register(capability=lambda: (12, 0))
     assert "ERROR" in caplog.text  # logged too: SGLang's loader only logs a plugin's exception
+
+
+@pytest.mark.parametrize("visible,expected", [
+    (None, (9, 0)),  # unset: every GPU visible, the first is GPU 0
+    ("1", (12, 0)), ("1,0", (12, 0)), ("GPU-b", (12, 0)),
+    ("", None), ("-1", None), ("5", None),  # set but empty, or first entry not a GPU: no GPU visible
+])
+def test_the_plugins_read_the_first_gpu_this_process_sees(monkeypatch, visible, expected):
+    """``plugin_mode.gpu_capability`` by NVML (a stand-in of two GPUs, sm_90 and sm_120):
+    the GPU ``CUDA_VISIBLE_DEVICES`` puts first, none where it leaves the process none."""
+    caps, uuids = {0: (9, 0), 1: (12, 0)}, {"GPU-a": 0, "GPU-b": 1}
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+                                 nvmlDeviceGetHandleByIndex=lambda i: i,
+                                 nvmlDeviceGetHandleByUUID=lambda u: uuids[u],
+                                 nvmlDeviceGetCudaComputeCapability=lambda h: caps[h])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert plugin_mode.gpu_capability() == expected

@@ -16,7 +16,7 @@ from cute_kernels.sparse_mla_decode.kv_format import EXTRA_FORMATS, FORMATS, MOD
 from dispatch import InvalidDecodeInput, sparse_mla_decode
 from dispatch.policy.registry import H200_SMEM_PER_SM, SM120_SMEM_PER_SM
 from dispatch.policy.selection import PlanOverrides, select_kernels
-from dispatch.policy.splits import MAX_SPLITS, SplitPlan
+from dispatch.policy.splits import MAX_PLANNED_SPLITS, MAX_SPLITS, SplitPlan, plan_splits
 from dispatch.policy.precision import format_precisions
 from dispatch.policy.variant_space import variant_space, variants_for
 from dispatch.runtime.plan import DecodePlan
@@ -85,19 +85,23 @@ def test_a_mixed_call_selects_a_partial_kernel_per_list_and_one_merge(main, extr
 
 
 def test_a_mixed_call_splits_at_most_what_the_merge_combines():
-    """The extra list's splits are capped at what the main list's leave of ``MAX_SPLITS`` (the
-    merge kernel's threads): one token of 16 heads against 8192 + 8192 entries takes every
-    split each list alone would, so the cap is what bounds it; one of 128 heads fills the GPU
-    once per list well below it."""
+    """Each list plans at most ``MAX_PLANNED_SPLITS`` splits (one merge batch), as it would
+    alone, and the extra list at most what the main list's leave of ``MAX_SPLITS`` (the merge
+    kernel's threads; ``plan_splits``' ``max_splits``, which binds only a list that would
+    plan more): one token of 16 heads against 8192 + 8192 entries takes what each list alone
+    would; one of 128 heads fills the GPU once per list well below it."""
     for arch, sms, smem in _TARGETS:
         md = _mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 16, 8192, 8192)
         alone = [select_kernels(list_md, arch, num_sms=sms, smem_per_sm=smem,
                                 precision="f16").num_splits for list_md in md.list_calls()]
-        assert alone == [MAX_SPLITS, MAX_SPLITS], (arch, alone)
+        assert alone == [MAX_PLANNED_SPLITS, MAX_PLANNED_SPLITS], (arch, alone)
         sel = select_kernels(md, arch, num_sms=sms, smem_per_sm=smem, precision="f16")
-        assert sel.split.num_splits <= MAX_SPLITS - 1, (arch, sel.split)
-        assert 1 <= sel.extra.split.num_splits <= MAX_SPLITS - sel.split.num_splits, (arch, sel)
+        assert [sel.split.num_splits, sel.extra.split.num_splits] == alone, (arch, sel)
         assert sel.num_splits <= MAX_SPLITS, (arch, sel)
+        for bound in (1, 5, MAX_PLANNED_SPLITS - 1):
+            bounded = plan_splits(1, 16, 8192, 0, cfg=sel.variants[0].config, num_sms=sms, smem_per_sm=smem,
+                                  max_splits=bound)
+            assert bounded.num_splits <= bound, (arch, bound, bounded)
         longer = select_kernels(_mixed_md(MODEL1, MODEL1_NVFP4.name, 1, 1, 8192, 65536), arch, num_sms=sms,
                                 smem_per_sm=smem, precision="f16")
         assert 1 < longer.extra.split.num_splits and longer.num_splits <= MAX_SPLITS, (arch, longer)

@@ -76,18 +76,16 @@ class Epilogue:
         return gate, lse2
 
     @cute.jit
-    def store_lse(self, total: Float32, lse2: Float32, token: Int32, split: Int32, num_splits: Int32,
+    def store_lse(self, lse2: Float32, token: Int32, split: Int32, num_splits: Int32,
                   num_heads: Int32, head: Int32, lse_part_addr: Int64, lse_addr: Int64,
                   lse_stride_t: Int64, lse_stride_h: Int64):
-        """A head's lse: natural log (+inf for an empty row, NaN for a row that met a NaN
-        entry) in final mode, the split's log2 lse in split mode (``lse_part_addr`` /
-        ``lse_addr``: the tensors' addresses)."""
+        """A head's lse from ``gate_and_lse2``'s: natural log (+inf for an empty row, NaN for a
+        row that met a NaN entry) in final mode, the split's log2 lse in split mode
+        (``lse_part_addr`` / ``lse_addr``: the tensors' addresses)."""
         if const_expr(self.cfg.final_output):
-            lse_nat = Float32.inf
-            if total > 0.0:
-                lse_nat = lse2 * LN_2
-            if total != total:  # NaN (an unordered compare)
-                lse_nat = total
+            lse_nat = lse2 * LN_2  # (NaN stays NaN)
+            if lse2 == -Float32.inf:
+                lse_nat = Float32.inf
             store_f32(lse_addr + (Int64(token) * lse_stride_t + Int64(head) * lse_stride_h) * 4, lse_nat)
         else:
             store_f32(lse_part_addr + ((Int64(token) * num_splits + split) * num_heads + head) * 4, lse2)

@@ -198,5 +198,5 @@ class PartialKernel:
                 store_row(r, gate, (token, split, num_splits, num_heads, head) + out_ctx)
                 if wq == 0:  # one warp per group writes its heads' lse
                     if qd == 0:
-                        self.epilogue.store_lse(total, lse2, token, split, num_splits, num_heads, head,
+                        self.epilogue.store_lse(lse2, token, split, num_splits, num_heads, head,
                                                 lse_part_addr, lse_addr, p.lse_stride_t, p.lse_stride_h)

@@ -670,7 +670,7 @@ class PartialF16Kernel(PartialKernel):
             if head < num_heads:
                 gate, lse2 = self.epilogue.gate_and_lse2(total, row_max, attn_sink, head)
                 _smem_scalar(Float32, gate_addr)[0] = gate
-                self.epilogue.store_lse(total, lse2, token, split, num_splits, num_heads, head, lse_part, lse,
+                self.epilogue.store_lse(lse2, token, split, num_splits, num_heads, head, lse_part, lse,
                                         lse_stride_t, lse_stride_h)
         cute.arch.sync_threads()
 

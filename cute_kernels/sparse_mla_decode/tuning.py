@@ -49,6 +49,9 @@ MERGE_BATCHES = (8, 32)
 # ---------------------------------------------------------------- work split (dispatch.policy.splits)
 # one chunk per split when the grid needs splits at all.  [min_chunks_per_split]
 MIN_CHUNKS_PER_SPLIT = 1
+# a token's planned splits at most the merge's largest batch, which it loads with the lse values
+# in one round trip: more splits cost the merge a round trip per batch.  [max_planned_splits]
+MAX_PLANNED_SPLITS = MERGE_BATCHES[-1]
 # CTAs of this many chunks or fewer, two to an SM: one CTA per SM with more chunks instead;
 # where that leaves two splits, one split and no merge.  [max_chunks_two_per_sm]
 MAX_CHUNKS_TWO_PER_SM = 3

@@ -142,22 +142,27 @@ def announce_first_call(fn, log, text: str):
 def gpu_capability():
     """The first visible GPU's compute capability from NVML where it is installed (no CUDA
     context in this process: engines load plugins before they start their workers), else
-    torch's; None without a GPU."""
+    torch's; None without a GPU, and None where ``CUDA_VISIBLE_DEVICES`` leaves this process
+    none (set but empty, or its first entry not a GPU: CUDA sees only the entries before an
+    invalid one)."""
     try:
         import pynvml
     except ImportError:
         import torch
 
         return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = "0" if visible is None else visible.split(",")[0].strip()
     pynvml.nvmlInit()
     try:
         if pynvml.nvmlDeviceGetCount() == 0:
             return None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        if visible.startswith("GPU-") or visible.startswith("MIG-"):
-            handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
+        if first.startswith("GPU-") or first.startswith("MIG-"):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+        elif first.isdigit() and int(first) < pynvml.nvmlDeviceGetCount():
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
         else:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+            return None
         return tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
     finally:
         pynvml.nvmlShutdown()

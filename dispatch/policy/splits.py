@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
-from cute_kernels.sparse_mla_decode.tuning import MAX_CHUNKS_TWO_PER_SM, MIN_CHUNKS_PER_SPLIT
+from cute_kernels.sparse_mla_decode.tuning import MAX_CHUNKS_TWO_PER_SM, MAX_PLANNED_SPLITS, MIN_CHUNKS_PER_SPLIT
 
 from .occupancy import ctas_per_split, resident_ctas_per_sm
 
@@ -35,7 +35,8 @@ def two_ctas_per_sm(cfg: PartialConfig, plan: SplitPlan, *, num_tokens: int, num
 def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, cfg: PartialConfig,
                 num_sms: int, smem_per_sm: int, max_splits: int = MAX_SPLITS) -> SplitPlan:
     """Split each token's chunks so that the grid fills the GPU once: about as many CTAs as
-    the SMs hold at once (``resident_ctas_per_sm``), and no more than ``MAX_SPLITS`` splits.
+    the SMs hold at once (``resident_ctas_per_sm``), and no more than ``MAX_PLANNED_SPLITS``
+    splits (the merge's largest batch: it loads them with their lse values in one round trip).
 
     One wave rather than several: a CTA with more chunks overlaps the gather of each chunk
     with the work on the previous one, and the merge has fewer splits to combine. Where that
@@ -52,7 +53,8 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
                          f"num_heads={num_heads}")
 
     def split_for(slots: int) -> SplitPlan:
-        wanted = min(max(1, slots // base_ctas), max_splits)  # rounded down: never a second wave
+        # rounded down: never a second wave; at most one merge batch of splits
+        wanted = min(max(1, slots // base_ctas), max_splits, MAX_PLANNED_SPLITS)
         per_split = max(-(-num_chunks // wanted), min(MIN_CHUNKS_PER_SPLIT, num_chunks))
         return SplitPlan(num_chunks, per_split, -(-num_chunks // per_split))
 
