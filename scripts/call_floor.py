@@ -26,7 +26,8 @@ DEFAULT_SHAPES = ["1x16x128", "1x64x1024", "1x128x1024", "1x128x128+512", "8x16x
 
 
 def kernel_durations_us(fn, replays: int = 20) -> dict:
-    """Median GPU duration (us) of each kernel of ``fn``, graph-replayed after an L2 flush."""
+    """Median GPU duration (us) of each kernel of ``fn``, graph-replayed after an L2 flush, and of
+    the merge's tail (key "merge end - partial end") where it launches one of each."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
