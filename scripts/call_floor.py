@@ -14,6 +14,7 @@ kernel's end the merge ends.
 from __future__ import annotations
 
 import sys
+from statistics import median_high
 
 import torch
 
@@ -48,18 +49,14 @@ def kernel_durations_us(fn, replays: int = 20) -> dict:
     for ev in prof.events():
         if ev.device_type.name == "CUDA" and "sparse_mla" in ev.name:
             spans.setdefault(ev.name, []).append((ev.time_range.start, ev.time_range.end))
-    durations = {name: median([end - start for start, end in s]) for name, s in spans.items()}
+    durations = {name: median_high([end - start for start, end in s]) for name, s in spans.items()}
     partial = [s for name, s in spans.items() if "partial" in name]
     merge = [s for name, s in spans.items() if "merge" in name]
     if len(partial) == 1 and len(merge) == 1 and len(partial[0]) == len(merge[0]):
         # the merge's tail: how long after the partial kernel's end the call's last kernel ends
-        durations["merge end - partial end"] = median([m[1] - p[1] for p, m in zip(sorted(partial[0]),
+        durations["merge end - partial end"] = median_high([m[1] - p[1] for p, m in zip(sorted(partial[0]),
                                                                                    sorted(merge[0]))])
     return durations
-
-
-def median(values: list) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def main(argv=None) -> int:
