@@ -225,6 +225,49 @@ def test_split_plans_follow_the_h200_measurements():
         assert (plan.chunks_per_split, plan.num_splits) == want, (T, H, topk, extra, plan)
 
 
+def test_dealt_lists_are_planned_one_cta_per_sm_where_that_keeps_eight_splits():
+    """A call with a length tensor deals the chunks its lengths reach across the splits; where
+    its one-wave plan would put two CTAs on an H200 SM, it is planned for one CTA per SM
+    instead if each token keeps ``MIN_DEALT_SPLITS_ONE_PER_SM`` splits (the ratio-128 list,
+    128 + 8192 wide with 512 valid, at 16 heads and 8 tokens: 15.8 -> 13.4 us, ``docs/tuning.md``);
+    a call without lengths, or one left with fewer splits, keeps the plan of two CTAs per SM."""
+    expected = {  # (T, H, topk, extra): (splits with lengths, splits without)
+        (8, 16, 128, 8192): (16, 29),
+        (16, 16, 128, 8192): (8, 16),
+        (4, 32, 128, 8192): (16, 29),
+        (32, 16, 128, 8192): (8, 8),  # one CTA per SM would leave 4
+        (64, 16, 128, 1024): (4, 4),  # likewise 2
+        (1, 16, 128, 8192): (29, 29),  # one CTA per SM either way
+    }
+    for (T, H, topk, extra), want in expected.items():
+        cfg = partial_shape_config(H, T, 132, topk=topk, extra_topk=extra, smem_per_sm=H200_SMEM_PER_SM)
+        got = []
+        for dealt in (True, False):
+            plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=132, smem_per_sm=H200_SMEM_PER_SM, dealt=dealt)
+            two = two_ctas_per_sm(cfg, plan, num_tokens=T, num_heads=H, num_sms=132, smem_per_sm=H200_SMEM_PER_SM)
+            assert two == (T * math.ceil(H / cfg.heads_per_cta) * plan.num_splits > 132)
+            got.append(plan.num_splits)
+        assert tuple(got) == want, (T, H, topk, extra, got)
+        # on sm_120 (one CTA per SM always) the lengths change no plan
+        cfg = partial_shape_config(H, T, 188, topk=topk, extra_topk=extra, smem_per_sm=SM120_SMEM_PER_SM)
+        assert len({plan_splits(T, H, topk, extra, cfg=cfg, num_sms=188, smem_per_sm=SM120_SMEM_PER_SM, dealt=d)
+                    for d in (True, False)}) == 1
+    # the dispatch passes the call's length tensors on: the extra list's length, or the main's
+    from dispatch.policy.selection import select_kernels
+    for lengths, want in (({}, (29, True)), ({"has_extra_topk_length": True}, (16, False)),
+                          ({"has_topk_length": True}, (16, False))):
+        md = _md(num_tokens=8, num_heads=16, topk=128, page_block_size=64, extra_topk=8192, extra_page_block_size=2,
+                 **lengths)
+        sel = select_kernels(md, "sm_90a", num_sms=132, smem_per_sm=H200_SMEM_PER_SM, precision="f16")
+        assert (sel.split.num_splits, sel.two_ctas_per_sm) == want, lengths
+    # the "bf16" / FP8 paths' two CTAs per SM are not the register bound's: their plans stay
+    for precision in ("bf16", "fp8"):
+        plans = {select_kernels(_md("v32_fp8", num_tokens=8, num_heads=32, topk=2048, page_block_size=64, extra_topk=0,
+                                    has_topk_length=lengths), "sm_90a", num_sms=132, smem_per_sm=H200_SMEM_PER_SM,
+                                precision=precision).split for lengths in (True, False)}
+        assert len(plans) == 1 and plans.pop().num_splits == 16, precision
+
+
 def test_split_plan_refuses_an_empty_grid():
     cfg = partial_shape_config(16, 1, 188, topk=128, smem_per_sm=SM120_SMEM_PER_SM)
     with pytest.raises(ValueError, match="at least one token and one head"):

@@ -144,7 +144,7 @@ def _select_one(md: DecodeMetadata, arch: str, num_sms: int, smem_per_sm: int, p
     if ov.num_stages is not None:  # the split plan sees the stages' shared memory too
         shape = dataclasses.replace(shape, num_stages=ov.num_stages)
     split = plan_splits(T, H, topk, extra_topk, cfg=shape, num_sms=num_sms, smem_per_sm=smem_per_sm,
-                        max_splits=max_splits)
+                        max_splits=max_splits, dealt=md.has_topk_length or md.has_extra_topk_length)
     if ov.num_splits is not None:
         chunks = split.num_chunks
         per_split = -(-chunks // min(ov.num_splits, chunks))

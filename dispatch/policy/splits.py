@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cute_kernels.sparse_mla_decode.config import MergeConfig, PartialConfig
-from cute_kernels.sparse_mla_decode.tuning import MAX_CHUNKS_TWO_PER_SM, MAX_PLANNED_SPLITS, MIN_CHUNKS_PER_SPLIT
+from cute_kernels.sparse_mla_decode.tuning import (MAX_CHUNKS_TWO_PER_SM, MAX_PLANNED_SPLITS, MIN_CHUNKS_PER_SPLIT,
+                                                   MIN_DEALT_SPLITS_ONE_PER_SM)
 
 from .occupancy import ctas_per_split, resident_ctas_per_sm
 
@@ -33,7 +34,7 @@ def two_ctas_per_sm(cfg: PartialConfig, plan: SplitPlan, *, num_tokens: int, num
 
 
 def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, cfg: PartialConfig,
-                num_sms: int, smem_per_sm: int, max_splits: int = MAX_SPLITS) -> SplitPlan:
+                num_sms: int, smem_per_sm: int, max_splits: int = MAX_SPLITS, dealt: bool = False) -> SplitPlan:
     """Split each token's chunks so that the grid fills the GPU once: about as many CTAs as
     the SMs hold at once (``resident_ctas_per_sm``), and no more than ``MAX_PLANNED_SPLITS``
     splits (the merge's largest batch: it loads them with their lse values in one round trip).
@@ -44,6 +45,15 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     with twice the chunks instead, and where one CTA per SM then leaves only two splits, one
     split (final mode, no merge kernel). ``max_splits``: fewer than ``MAX_SPLITS`` (a list of
     a call of two formats, whose splits the merge combines with the other list's).
+
+    ``dealt``: the call has a length tensor, so its kernel deals the chunks the lengths reach
+    out across the splits (``gather.ChunkGather.context``). The host plans for the lists'
+    widths, not knowing the lengths, and a list wider than its lengths (vLLM's ratio-128 rows)
+    leaves most of those CTAs one chunk or none: where its grid would put two "f16" CTAs held
+    to 128 registers on an SM (``cfg.two_ctas_per_sm``), it is planned for one CTA per SM
+    instead, with every register, if that still gives each token
+    ``MIN_DEALT_SPLITS_ONE_PER_SM`` splits. (The head groups were chosen before, on the plans
+    for the widths: ``head_groups.head_groups_for``.)
     ``docs/tuning.md`` has the measurements."""
     block_n = cfg.block_n
     num_chunks = -(-topk // block_n) + -(-extra_topk // block_n)
@@ -59,8 +69,10 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
         return SplitPlan(num_chunks, per_split, -(-num_chunks // per_split))
 
     plan = split_for(resident_ctas_per_sm(cfg, smem_per_sm) * num_sms)
-    if plan.chunks_per_split <= MAX_CHUNKS_TWO_PER_SM and base_ctas * plan.num_splits > num_sms:
-        plan = split_for(num_sms)
-        if plan.num_splits == 2:
-            plan = SplitPlan(num_chunks, num_chunks, 1)
+    if base_ctas * plan.num_splits > num_sms:  # two CTAs on some SM
+        one_per_sm = split_for(num_sms)
+        if plan.chunks_per_split <= MAX_CHUNKS_TWO_PER_SM:
+            plan = one_per_sm if one_per_sm.num_splits != 2 else SplitPlan(num_chunks, num_chunks, 1)
+        elif dealt and cfg.two_ctas_per_sm and one_per_sm.num_splits >= MIN_DEALT_SPLITS_ONE_PER_SM:
+            plan = one_per_sm
     return plan
