@@ -231,22 +231,21 @@ def test_dealt_lists_are_planned_one_cta_per_sm_where_that_keeps_eight_splits():
     instead if each token keeps ``MIN_DEALT_SPLITS_ONE_PER_SM`` splits (the ratio-128 list,
     128 + 8192 wide with 512 valid, at 16 heads and 8 tokens: 15.8 -> 13.4 us, ``docs/tuning.md``);
     a call without lengths, or one left with fewer splits, keeps the plan of two CTAs per SM."""
-    expected = {  # (T, H, topk, extra): (splits with lengths, splits without)
-        (8, 16, 128, 8192): (16, 29),
-        (16, 16, 128, 8192): (8, 16),
-        (4, 32, 128, 8192): (16, 29),
-        (32, 16, 128, 8192): (8, 8),  # one CTA per SM would leave 4
-        (64, 16, 128, 1024): (4, 4),  # likewise 2
-        (1, 16, 128, 8192): (29, 29),  # one CTA per SM either way
+    expected = {  # (T, H, topk, extra): ((splits, two per SM) with lengths, the same without)
+        (8, 16, 128, 8192): ((16, False), (29, True)),
+        (16, 16, 128, 8192): ((8, False), (16, True)),
+        (4, 32, 128, 8192): ((16, False), (29, True)),
+        (32, 16, 128, 8192): ((8, True), (8, True)),  # one CTA per SM would leave 4
+        (64, 16, 128, 1024): ((4, True), (4, True)),  # likewise 2
+        (1, 16, 128, 8192): ((29, False), (29, False)),  # one CTA per SM either way
     }
     for (T, H, topk, extra), want in expected.items():
         cfg = partial_shape_config(H, T, 132, topk=topk, extra_topk=extra, smem_per_sm=H200_SMEM_PER_SM)
         got = []
         for dealt in (True, False):
             plan = plan_splits(T, H, topk, extra, cfg=cfg, num_sms=132, smem_per_sm=H200_SMEM_PER_SM, dealt=dealt)
-            two = two_ctas_per_sm(cfg, plan, num_tokens=T, num_heads=H, num_sms=132, smem_per_sm=H200_SMEM_PER_SM)
-            assert two == (T * math.ceil(H / cfg.heads_per_cta) * plan.num_splits > 132)
-            got.append(plan.num_splits)
+            got.append((plan.num_splits, two_ctas_per_sm(cfg, plan, num_tokens=T, num_heads=H, num_sms=132,
+                                                         smem_per_sm=H200_SMEM_PER_SM)))
         assert tuple(got) == want, (T, H, topk, extra, got)
         # on sm_120 (one CTA per SM always) the lengths change no plan
         cfg = partial_shape_config(H, T, 188, topk=topk, extra_topk=extra, smem_per_sm=SM120_SMEM_PER_SM)

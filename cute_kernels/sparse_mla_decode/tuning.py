@@ -56,8 +56,7 @@ MAX_PLANNED_SPLITS = MERGE_BATCHES[-1]
 # where that leaves two splits, one split and no merge.  [max_chunks_two_per_sm]
 MAX_CHUNKS_TWO_PER_SM = 3
 # a call with a length tensor (its chunks dealt by the lengths, which the host does not know)
-# whose grid of more chunks would put two "f16" CTAs held to 128 registers on an SM: one CTA
-# per SM instead where that
+# whose grid of more chunks would put two CTAs on an SM: one CTA per SM instead where that
 # still gives each token this many splits (a list wider than its lengths, vLLM's ratio-128
 # rows, leaves most CTAs one chunk or none).  [min_dealt_splits_one_per_sm]
 MIN_DEALT_SPLITS_ONE_PER_SM = 8
