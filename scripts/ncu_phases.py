@@ -75,7 +75,8 @@ def phases(reasons: list[str], instructions: list[dict]) -> list[Phase]:
         current.samples += _count(ins[SAMPLES])
         current.executed = max(current.executed, _count(ins[EXECUTED]))
         for r in reasons:
-            current.stalls[r[len("stall_"):]] = current.stalls.get(r[len("stall_"):], 0) + _count(ins[r])
+            reason = r[len("stall_"):]
+            current.stalls[reason] = current.stalls.get(reason, 0) + _count(ins[r])
         if re.match(r"BAR\.SYNC\b", source) or re.match(r"EXIT\b", source):
             out.append(current)
             current = None

@@ -9,7 +9,8 @@ other); ``--precision`` times that compute path (default: the dispatch's); ``--p
 times only the split count the dispatch picks (to compare head-group counts each at its
 own plan). ``--valid N``: the call passes length tensors, as DeepSeek-V4's engines do: the
 main list's at its width, the extra list's N (vLLM 0.34's ratio-128 rows: 8192 wide, about
-context / 128 valid; ``vllm/models/deepseek_v4/common/ops/cache_utils.py`` l. 669-671), so that the kernels deal the live chunks across the splits.
+context / 128 valid; ``vllm/models/deepseek_v4/common/ops/cache_utils.py`` l. 669-671), so
+that the kernels deal the live chunks across the splits.
 ``--splits``: time only these split counts (and the plan's; a count that equal chunk ranges
 cannot give is left out); ``--bounds`` (the "f16" path of a format whose kernel can be held to
 128 registers): time each count both ways, held to 128 registers (``b``, two CTAs per SM) and
