@@ -376,7 +376,7 @@ def test_forced_splits_and_stages_match_reference(num_splits, stages, kv_format)
 
 
 # A length variant deals a token's live chunks out across the launch's splits (split s of S:
-# chunks s, s + S, ...; ``gather.ChunkGather.context``): forced split counts that leave most
+# chunks s, s + S, ...; ``gather.ChunkGather.bound_chunks``): forced split counts that leave most
 # splits empty or give a split several chunks, both register bounds, on ratio-128 rows whose
 # tokens run from no entry to the full 8192 ("edge") or up to 512 ("short")
 LIVE_SPLIT_CASES = [Case(T=6, H=16, topk=128, extra_topk=8192, extra_page=2, extra_blocks=300, lengths="random",

@@ -2,7 +2,7 @@
 
 The chunks of a token are numbered main list first, then extra: chunk c < ceil(topk / 32)
 reads the main cache, the rest the extra cache (with a length tensor, only up to the last chunk
-the token's lengths reach, dealt out across the splits: ``context``). A CTA walks the chunks
+the token's lengths reach, dealt out across the splits: ``bound_chunks``). A CTA walks the chunks
 of its split [c_begin, c_end) (with a length tensor, the chunks split, split + S, ...). Per chunk:
 
 - indices: one 4-byte ``cp.async`` per entry into an index buffer (``slot_buffers`` of them,
@@ -73,85 +73,111 @@ class ChunkGather:
     def context(self, alloc, s_exchange_layout, tidx, token, split, p) -> SimpleNamespace:
         """Allocate the gather's shared memory (after the compute path's own regions: raw
         stages, the S exchange laid out as ``s_exchange_layout``, validity masks, indices)
-        and gather what the issuing steps read about the two lists into a namespace; also
-        the range [c_begin, c_end) of this split's chunk loop (the chunks themselves, or with a
-        length tensor the split's count of them: ``chunk_source``) and the S exchange tensor
-        ``sS``."""
+        and gather what the issuing steps read about the two lists into a namespace, with the
+        first chunk of this split's loop (``c_begin``) and the S exchange tensor ``sS``. The
+        token's lengths are loaded here but not yet used: ``bound_chunks``, after the first
+        indices are issued (``issue_first_indices``), makes the loop's end and the lists'
+        limits of them, so that the indices' load is in flight with the lengths' (a use of a
+        length before the indices' issue would make the indices wait for its round trip)."""
         bn = self.bn
-        m_limit, e_limit = self._length_limits(p.main_len, p.main_topk, p.extra_len, p.extra_topk, token)
         n_main_chunks = (p.main_topk + bn - 1) // bn
         n_chunks = n_main_chunks + (p.extra_topk + bn - 1) // bn
+        main_len = extra_len = None
+        if const_expr(self.cfg.has_topk_length):
+            main_len = load_i32(p.main_len.toint() + Int64(token) * 4)
+        if const_expr(self.cfg.has_extra_topk_length):
+            extra_len = load_i32(p.extra_len.toint() + Int64(token) * 4)
         if const_expr(self.cfg.has_topk_length or self.cfg.has_extra_topk_length):
-            # Up to the last chunk this token's lengths reach (the extra list's first
-            # ceil(e_limit / bn) after every main chunk; with no extra list, the main list's
-            # first ceil(m_limit / bn)), the chunks dealt out across the splits: split s of S
-            # takes chunks s, s + S, s + 2S, ... A list wider than its lengths (vLLM's
-            # ratio-128 rows, 8192 wide with about seq / 128 valid) costs what its valid
-            # entries cost, spread over as many CTAs as it has live chunks (in contiguous
-            # ranges a few splits would walk them all); a split past them writes an empty
-            # partial. The loop's c counts this split's chunks (chunk split + c * S): split, S
-            # and c stay in uniform registers; only the count reads the lengths.
-            has_extra = cutlass.min(p.extra_topk, 1)  # 0 or 1
-            live = (has_extra * (n_main_chunks + (e_limit + bn - 1) // bn)
-                    + (1 - has_extra) * ((m_limit + bn - 1) // bn))
+            # split s of S takes chunks s, s + S, ... of those the lengths reach
+            # (``bound_chunks``); the loop's c counts this split's chunks
             _, launch_splits, _ = cute.arch.grid_dim()
-            ahead = cutlass.max(live - split, 0)  # live <= n_chunks: the limits are clamped to topk
-            c_begin, c_end = Int32(0), (ahead + launch_splits - 1) // launch_splits
-            # the split's chunks by the lists' widths alone: the first indices are issued up to
-            # here, not waiting for the lengths' load (indices past a length are read, not used)
-            c_listed = (n_chunks - split + launch_splits - 1) // launch_splits
+            c_begin = Int32(0)
+            c_listed = None  # (the first indices: up to the lists' widths, ``issue_first_indices``)
             dealt = (split, launch_splits)
         else:
             # the plan's contiguous range; the loop's c is the chunk itself
             c_begin = split * p.chunks_per_split
-            c_end = cutlass.min(c_begin + p.chunks_per_split, n_chunks)
-            c_listed = c_end
+            c_listed = cutlass.min(c_begin + p.chunks_per_split, n_chunks)
             dealt = None
         sRaw = alloc.allocate("raw_rows", cutlass.Uint8, cute.make_layout(self.stages * self.stage_bytes))
         sS = alloc.allocate("s_exchange", cutlass.Float32, s_exchange_layout)
         sMask = alloc.allocate("masks", Int32, cute.make_layout(self.slots))
         sIdx = alloc.allocate("indices", Int32, cute.make_layout((bn, self.slots)))
         return SimpleNamespace(
-            c_begin=c_begin, c_end=c_end, c_listed=c_listed, dealt=dealt, sS=sS,
+            c_begin=c_begin, c_listed=c_listed, dealt=dealt, sS=sS, n_chunks=n_chunks, lengths=(main_len, extra_len),
             # addresses taken here, at the top level: an iterator's toint() first evaluated
             # inside a dynamic if is reused by later evaluations outside it (IR that does not verify)
             tidx=tidx, n_main_chunks=n_main_chunks, raw_base=sRaw.iterator.toint(), sMask=sMask, sIdx=sIdx,
             sidx_base=sIdx.iterator.toint(),
-            # per list: (index row address, topk, length limit, slots, page, its division magic,
-            # block stride, cache base address[, row stride]), as ``chunk_source`` returns them
-            main_list=(p.main_idx.toint() + Int64(token) * p.main_idx_stride * 4, p.main_topk, m_limit,
-                       p.main_num_slots, p.main_page, p.main_page_magic, p.main_block_stride, p.main_cache.toint())
+            # per list: (index row address, topk, slots, page, its division magic, block stride,
+            # cache base address[, row stride]); ``bound_chunks`` adds the length limit
+            main_where=(p.main_idx.toint() + Int64(token) * p.main_idx_stride * 4, p.main_topk,
+                        p.main_num_slots, p.main_page, p.main_page_magic, p.main_block_stride, p.main_cache.toint())
             + ((p.main_row_stride,) if self.fmt.inline else ()),
-            extra_list=(p.extra_idx.toint() + Int64(token) * p.extra_idx_stride * 4, p.extra_topk, e_limit,
-                        p.extra_num_slots, p.extra_page, p.extra_page_magic, p.extra_block_stride,
-                        p.extra_cache.toint()) + ((p.extra_row_stride,) if self.fmt.inline else ()),
+            extra_where=(p.extra_idx.toint() + Int64(token) * p.extra_idx_stride * 4, p.extra_topk,
+                         p.extra_num_slots, p.extra_page, p.extra_page_magic, p.extra_block_stride,
+                         p.extra_cache.toint()) + ((p.extra_row_stride,) if self.fmt.inline else ()),
             g2s_4=cute.make_copy_atom(cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32),
         )
 
+    def bound_chunks(self, ctx: SimpleNamespace):
+        """After ``issue_first_indices``: how many leading entries of each list count for the
+        token (topk_length clamped to [0, topk], or topk when the call has no length tensor),
+        into the lists ``chunk_source`` reads (``ctx.main_list``, ``ctx.extra_list``), and the
+        range [c_begin, c_end) of this split's chunk loop, which it returns.
+
+        With a length tensor: up to the last chunk this token's lengths reach (the extra list's
+        first ceil(e_limit / bn) after every main chunk; with no extra list, the main list's
+        first ceil(m_limit / bn)), the chunks dealt out across the splits: split s of S takes
+        chunks s, s + S, s + 2S, ... A list wider than its lengths (vLLM's ratio-128 rows, 8192
+        wide with about seq / 128 valid) costs what its valid entries cost, spread over as many
+        CTAs as it has live chunks (in contiguous ranges a few splits would walk them all); a
+        split past them writes an empty partial. The loop's c counts this split's chunks (chunk
+        split + c * S): split, S and c stay in uniform registers; only the count reads the
+        lengths."""
+        bn = self.bn
+        main_topk, extra_topk = ctx.main_where[1], ctx.extra_where[1]
+        main_len, extra_len = ctx.lengths
+        m_limit = main_topk if main_len is None else cutlass.max(cutlass.min(main_len, main_topk), 0)
+        e_limit = extra_topk if extra_len is None else cutlass.max(cutlass.min(extra_len, extra_topk), 0)
+        ctx.main_list = ctx.main_where[:2] + (m_limit,) + ctx.main_where[2:]
+        ctx.extra_list = ctx.extra_where[:2] + (e_limit,) + ctx.extra_where[2:]
+        if const_expr(ctx.dealt is not None):
+            split, launch_splits = ctx.dealt
+            has_extra = cutlass.min(extra_topk, 1)  # 0 or 1
+            live = (has_extra * (ctx.n_main_chunks + (e_limit + bn - 1) // bn)
+                    + (1 - has_extra) * ((m_limit + bn - 1) // bn))
+            ahead = cutlass.max(live - split, 0)  # live <= n_chunks: the limits are clamped to topk
+            c_end = (ahead + launch_splits - 1) // launch_splits
+        else:
+            c_end = ctx.c_listed
+        return ctx.c_begin, c_end
+
     @cute.jit
-    def _length_limits(self, main_len: cute.Pointer, main_topk: Int32, extra_len: cute.Pointer,
-                       extra_topk: Int32, token: Int32):
-        """How many leading entries of each list count for ``token`` (topk_length clamped to
-        [0, topk], or topk when the call has no length tensor)."""
-        main_limit = main_topk
-        if const_expr(self.cfg.has_topk_length):
-            main_limit = cutlass.max(cutlass.min(load_i32(main_len.toint() + Int64(token) * 4), main_topk), 0)
-        extra_limit = extra_topk
-        if const_expr(self.cfg.has_extra_topk_length):
-            extra_limit = cutlass.max(cutlass.min(load_i32(extra_len.toint() + Int64(token) * 4), extra_topk), 0)
-        return main_limit, extra_limit
+    def issue_first_indices(self, ctx: SimpleNamespace, c_begin: Int32):
+        """The cp.async of the first ``index_chunks`` chunks' indices (not yet committed:
+        ``start_pipeline`` commits them). A kernel issues them right after ``context``, before
+        Q: the first rows wait for them, and with L2 cold (decode) their round trip and the
+        rows' are the two a CTA cannot overlap. With a length tensor they are bounded by the
+        lists' widths, not the lengths, so that they are in flight with the lengths' load
+        (indices past a length are read, not used): chunk split + k S of the dealt chunks, if
+        there is one (a compare, not the division by S that the loop's count takes)."""
+        c_listed = ctx.c_listed
+        n_chunks = ctx.n_chunks
+        for k in cutlass.range_constexpr(self.index_chunks):
+            if const_expr(ctx.dealt is not None):
+                listed = self._chunk_position(ctx, c_begin + k)[1] < n_chunks
+            else:
+                listed = c_begin + k < c_listed
+            if listed:
+                self.issue_indices(ctx, c_begin + k, Int32(k))
 
     @cute.jit
     def start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
-        """The first ``index_chunks`` chunks' indices (cp.async, in the same group as any
-        copies the kernel started before, such as Q; bounded by the lists' widths,
-        ``ctx.c_listed``, so that they are in flight with the lengths' load), a wait for them
-        (visible to every thread on return), then the first ``stages - 1`` chunks' rows by
-        every thread (in flight, one cp.async group each)."""
-        c_listed = ctx.c_listed
-        for k in cutlass.range_constexpr(self.index_chunks):
-            if c_begin + k < c_listed:
-                self.issue_indices(ctx, c_begin + k, Int32(k))
+        """After ``issue_first_indices``: one cp.async group of the first indices and any
+        copies the kernel issued since (such as Q), a wait for it (visible to every thread on
+        return), then the first ``stages - 1`` chunks' rows by every thread (in flight, one
+        cp.async group each)."""
         cute.arch.cp_async_commit_group()  # group: the first indices (and Q)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # the indices visible
@@ -186,14 +212,11 @@ class ChunkGather:
     @cute.jit
     def chunk_source(self, ctx: SimpleNamespace, c: Int32):
         """Where the loop's chunk ``c``'s entries live (chunks dealt out across the splits:
-        chunk ``split + c * S``, see ``context``): (first list position, index row address, list
-        length (topk), length limit, slots in the cache, page block size, its division magic,
-        block stride, cache base address, row stride (``row_bytes`` for a footer format))."""
-        chunk = c
-        if const_expr(ctx.dealt is not None):
-            first, stride = ctx.dealt
-            chunk = first + c * stride
-        pos0 = chunk * self.bn
+        chunk ``split + c * S``, see ``bound_chunks``): (first list position, index row address,
+        list length (topk), length limit, slots in the cache, page block size, its division
+        magic, block stride, cache base address, row stride (``row_bytes`` for a footer
+        format)). After ``bound_chunks``."""
+        pos0, chunk = self._chunk_position(ctx, c)
         if const_expr(self.fmt.inline):
             idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride = ctx.main_list
             if chunk >= ctx.n_main_chunks:
@@ -208,12 +231,31 @@ class ChunkGather:
         return pos0, idx_row, topk, limit, num_slots, page, magic, block_stride, base, row_stride
 
     @cute.jit
+    def index_source(self, ctx: SimpleNamespace, c: Int32):
+        """Where the loop's chunk ``c``'s indices live: (first list position, index row
+        address, list length (topk)). Needs no length: also before ``bound_chunks``."""
+        pos0, chunk = self._chunk_position(ctx, c)
+        idx_row, topk = ctx.main_where[0], ctx.main_where[1]
+        if chunk >= ctx.n_main_chunks:
+            pos0 = (chunk - ctx.n_main_chunks) * self.bn
+            idx_row, topk = ctx.extra_where[0], ctx.extra_where[1]
+        return pos0, idx_row, topk
+
+    def _chunk_position(self, ctx: SimpleNamespace, c: Int32):
+        """(first position of chunk ``c`` in the concatenated lists, the chunk's number)."""
+        chunk = c
+        if const_expr(ctx.dealt is not None):
+            first, stride = ctx.dealt
+            chunk = first + c * stride
+        return chunk * self.bn, chunk
+
+    @cute.jit
     def issue_indices(self, ctx: SimpleNamespace, c: Int32, buf: Int32):
         """Threads index_thread0 .. + block_n - 1 start the cp.async of one index of chunk
         ``c`` each into ``sIdx[:, buf]`` (positions past topk are not read: they are outside
         the index row). The indices are checked when the rows are issued (``valid_slot``)."""
         e = ctx.tidx - self.index_thread0
-        pos0, idx_row, topk, _, _, _, _, _, _, _ = self.chunk_source(ctx, c)
+        pos0, idx_row, topk = self.index_source(ctx, c)
         if e >= 0:
             if e < self.bn:
                 if pos0 + e < topk:

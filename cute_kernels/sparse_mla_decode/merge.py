@@ -11,7 +11,7 @@ One CTA per (token, head); thread i owns output dims [4i, 4i + 4).
 
 A batch of splits past the first whose splits are all empty (lse -inf) is skipped, its partial
 outputs not loaded: a list much wider than its lengths leaves most splits empty
-(``gather.ChunkGather.context``). A split that met a NaN entry has lse NaN (``Epilogue``): the
+(``gather.ChunkGather.bound_chunks``). A split that met a NaN entry has lse NaN (``Epilogue``): the
 max takes it (a NaN-propagating max), so every weight, the output and the lse are NaN, as in
 the reference.
 

@@ -4,7 +4,7 @@ Work item (one CTA): query token t, a block of 16 or 32 query heads (``head_grou
 tiles), and a split's share of the 32-entry chunks of the token's selected entries, main list
 first, then extra. Grid: (num_tokens x ceil(H / heads_per_cta), launch_splits); split s owns
 chunks [s * chunks_per_split, (s + 1) * chunks_per_split) (with a length tensor, chunks s,
-s + S, ... below the token's lengths: ``gather.ChunkGather.context``) and writes split s of the partial
+s + S, ... below the token's lengths: ``gather.ChunkGather.bound_chunks``) and writes split s of the partial
 outputs [T, num_splits, H, 512] (a call whose two lists have two formats launches a kernel per
 list; the second's o_part and lse_part start at the first's splits' end, so that its splits
 follow them: ``dispatch.runtime.plan.DecodePlan._extra_list_values``). Per chunk: the gather lands the

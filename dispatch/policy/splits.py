@@ -47,7 +47,7 @@ def plan_splits(num_tokens: int, num_heads: int, topk: int, extra_topk: int, *, 
     a call of two formats, whose splits the merge combines with the other list's).
 
     ``dealt``: the call has a length tensor, so its kernel deals the chunks the lengths reach
-    out across the splits (``gather.ChunkGather.context``). The host plans for the lists'
+    out across the splits (``gather.ChunkGather.bound_chunks``). The host plans for the lists'
     widths, not knowing the lengths, and a list wider than its lengths (vLLM 0.34's ratio-128
     rows, ``vllm/models/deepseek_v4/common/ops/cache_utils.py`` l. 669-671: ``docs/design.md``)
     leaves most of those CTAs one chunk or none: where its grid would put two "f16" CTAs held
