@@ -252,3 +252,41 @@ def launch_smem_bytes(host_ir: str) -> int:
 def disassemble(cubin: bytes) -> str:
     """``nvdisasm -c`` text of a cubin."""
     return _run_on_cubin(cubin, ["nvdisasm", "-c"])[0]
+
+
+_REGISTER = re.compile(r"\bR(\d+)(\.64)?\b")
+
+
+def _registers(operand_text: str) -> set[int]:
+    """The registers an operand list names (``R4.64``: R4 and R5)."""
+    regs = set()
+    for m in _REGISTER.finditer(operand_text):
+        regs.add(int(m.group(1)))
+        if m.group(2):
+            regs.add(int(m.group(1)) + 1)
+    return regs
+
+
+def waits_before_first_copy(sass: str) -> list[str]:
+    """The instructions before a kernel's first ``cp.async`` (``LDGSTS``, in program order) that
+    read the result of a global load (``LDG``) issued before them: each makes its warp wait
+    for that load's round trip before the copy is issued. A partial kernel's first copies are
+    its first chunks' indices, which its first rows wait for: nothing may hold them back
+    (``gather.ChunkGather.issue_first_indices``). Empty where no such wait precedes the
+    first copy, or where the kernel has none."""
+    body, _ = _instructions(sass)
+    pending: set[int] = set()  # registers an LDG before here writes
+    waits = []
+    for _, text in body:
+        op_text = re.sub(r"^@!?U?P\w+\s+", "", text)
+        opcode, _, operands = op_text.partition(" ")
+        if opcode.startswith("LDGSTS"):
+            return waits
+        dest, _, sources = operands.partition(",")
+        if pending & _registers(sources if not opcode.startswith(("ST", "RED", "ATOM")) else operands):
+            waits.append(text)
+        if opcode.startswith("LDG"):
+            pending |= _registers(dest)
+        elif not opcode.startswith(("ST", "RED", "ATOM", "BRA", "BAR")):
+            pending -= _registers(dest)  # overwritten: later reads are not the load's
+    return []

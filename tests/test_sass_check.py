@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cute_kernels.sass_check import CHAIN_WINDOW, mma_loop_mix, mma_loops
+from cute_kernels.sass_check import CHAIN_WINDOW, mma_loop_mix, mma_loops, waits_before_first_copy
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -136,3 +136,28 @@ def test_forbidden_instructions_match_by_opcode_and_modifier():
     assert forbidden_in(opcodes, ARCHS["sm_120a"].forbidden_sass) == []
     assert forbidden_in([("HGMMA", ".64x128x16.F32")], ARCHS["sm_120a"].forbidden_sass) == ["HGMMA.64x128x16.F32"]
     assert forbidden_in([("F2FP", ".BF16.F32.PACK_AB")], ("F2FP.E4M3",)) == []
+
+
+PROLOGUE = """
+        /*0000*/                   LDG.E R2, desc[UR10][R4.64] ;
+        /*0010*/                   LDG.E R9, desc[UR10][R6.64] ;
+        /*0020*/                   IMAD.MOV.U32 R9, RZ, RZ, 0x1 ;
+        /*0030*/                   VIMNMX.RELU R12, R9, R18, PT ;
+        /*0040*/                   IADD3 R13, R14, 0x1, RZ ;
+        /*0050*/              @!P1 LDGSTS.E [R17+0x13a10], desc[UR10][R14.64] ;
+        /*0060*/                   VIMNMX.RELU R2, R2, R39, PT ;
+"""
+
+
+def test_waits_before_first_copy_finds_a_read_of_a_pending_load_before_the_first_cp_async():
+    # R9's load is overwritten at 0x20 before 0x30 reads R9: no wait; R2's read comes after
+    # the first LDGSTS: not before it
+    assert waits_before_first_copy(PROLOGUE) == []
+    waiting = PROLOGUE.replace("IADD3 R13, R14, 0x1, RZ", "IADD3 R13, R2, 0x1, RZ")
+    assert waits_before_first_copy(waiting) == ["IADD3 R13, R2, 0x1, RZ"]
+    # a 64-bit operand reads both registers of its pair: the address R1.64 reads R2's load
+    as_address = PROLOGUE.replace("IADD3 R13, R14, 0x1, RZ", "LDG.E R13, desc[UR10][R1.64]")
+    assert waits_before_first_copy(as_address) == ["LDG.E R13, desc[UR10][R1.64]"]
+    # no cp.async at all (the merge kernel): nothing to hold back
+    no_copy = "\n".join(line for line in waiting.splitlines() if "LDGSTS" not in line)
+    assert waits_before_first_copy(no_copy) == []

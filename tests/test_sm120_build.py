@@ -5,7 +5,8 @@ stale: the ``deployment_build`` fixture). The build itself refuses a variant tha
 needs more than 99 KB of shared memory, uses an instruction SM120 lacks, or whose
 shared-memory plan differs from what the DSL launches it with; this checks each entry is
 the current sources' and what its SASS holds: the MMA mix of its compute path, registers
-within its launch bound, and no MMA of a main loop waiting on the one just before it.
+within its launch bound, no MMA of a main loop waiting on the one just before it, and no
+wait for a global load before the first indices' copies.
 """
 
 import pytest
@@ -62,3 +63,7 @@ def test_variant_builds_for_sm120_without_spills(variant, deployment_build):
         # warp multiplies (GLM-5.3's, rope-free, only gathers)
         loops = 1 + int(variant.config.precision == "f16" and rope_qk)
         assert res["chained_mma"] == [0] * loops
+        # the first indices are issued before anything waits for a global load (the lengths'
+        # or Q's): with a length tensor, three dependent round trips (lengths, indices, rows)
+        # would hold the first rows back instead of two
+        assert res["waits_before_first_copy"] == 0

@@ -81,7 +81,7 @@ def _worker_init(dump_root: str) -> None:
 
 
 def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
-    from cute_kernels.sass_check import disassemble, inspect_cubin, launch_smem_bytes, mma_loops
+    from cute_kernels.sass_check import disassemble, inspect_cubin, launch_smem_bytes, mma_loops, waits_before_first_copy
 
     from ..runtime.loader import compile_variant, export_variant
 
@@ -98,7 +98,11 @@ def _build_one_unchecked(variant: KernelVariant, out_dir: str) -> dict:
         # right after the MMA whose output they accumulate onto (``LoopMix.chained_mma``)
         "loop_instructions": [], "chained_mma": [],
     }
-    for loop in mma_loops(disassemble(compiled.artifacts.CUBIN)):
+    sass = disassemble(compiled.artifacts.CUBIN)
+    # instructions that wait for a global load before the first cp.async (a partial kernel's
+    # first indices) is issued (``sass_check.waits_before_first_copy``)
+    resources["waits_before_first_copy"] = len(waits_before_first_copy(sass))
+    for loop in mma_loops(sass):
         resources["loop_instructions"].append(loop.instructions)
         resources["chained_mma"].append(loop.chained_mma)
     problems = []
