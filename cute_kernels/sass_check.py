@@ -1,4 +1,5 @@
-"""Read a compiled kernel: registers, shared memory, local memory (spills) and the SASS mix.
+"""Read a compiled kernel: registers, shared memory, local memory (spills), the SASS mix, and
+what waits for a global load before its first copies are issued.
 
 Uses ``cuobjdump`` and ``nvdisasm`` from the ``nvidia-cuda-cuobjdump`` and
 ``nvidia-cuda-nvdisasm`` wheels (the package's ``[aot]`` extra) or from PATH. No GPU needed.
@@ -268,25 +269,27 @@ def _registers(operand_text: str) -> set[int]:
 
 
 def waits_before_first_copy(sass: str) -> list[str]:
-    """The instructions before a kernel's first ``cp.async`` (``LDGSTS``, in program order) that
-    read the result of a global load (``LDG``) issued before them: each makes its warp wait
-    for that load's round trip before the copy is issued. A partial kernel's first copies are
-    its first chunks' indices, which its first rows wait for: nothing may hold them back
-    (``gather.ChunkGather.issue_first_indices``). Empty where no such wait precedes the
-    first copy, or where the kernel has none."""
+    """The instructions before a kernel's first ``cp.async`` group is committed (its first
+    ``LDGDEPBAR``, in program order) that name a register a global load (``LDG``) before them
+    writes, read or written: each waits for that load's round trip (a write too, for the
+    load's result), so every copy of the group issued after it waits as well. A partial
+    kernel's first group is its first chunks' indices (and Q's copies, where Q is copied):
+    the first rows wait for it, and nothing may hold it back
+    (``gather.ChunkGather.issue_first_indices``). Conservative: a register stays pending
+    once loaded (a wait after the load has landed is still reported). Empty where no such
+    instruction precedes the first commit, or where the kernel commits none."""
     body, _ = _instructions(sass)
     pending: set[int] = set()  # registers an LDG before here writes
     waits = []
     for _, text in body:
         op_text = re.sub(r"^@!?U?P\w+\s+", "", text)
         opcode, _, operands = op_text.partition(" ")
-        if opcode.startswith("LDGSTS"):
+        if opcode.startswith("LDGDEPBAR"):
             return waits
-        dest, _, sources = operands.partition(",")
-        if pending & _registers(sources if not opcode.startswith(("ST", "RED", "ATOM")) else operands):
+        if pending & _registers(operands):
             waits.append(text)
-        if opcode.startswith("LDG"):
-            pending |= _registers(dest)
-        elif not opcode.startswith(("ST", "RED", "ATOM", "BRA", "BAR")):
-            pending -= _registers(dest)  # overwritten: later reads are not the load's
+        if opcode.startswith("LDG") and not opcode.startswith("LDGSTS"):
+            width = {"64": 2, "128": 4}.get(opcode.rsplit(".", 1)[-1], 1)
+            (first,) = _registers(operands.partition(",")[0])
+            pending |= set(range(first, first + width))
     return []

@@ -45,7 +45,8 @@ def test_each_8x_arch_builds_a_merge_and_an_f16_partial_that_pass_the_sass_check
             # no MMA of the nope warps' loop waits on the one before it (ptxas for 8.x leaves 4
             # chained bf16 MMAs in the rope warp's loop, which sm_120a's build has none of)
             assert res["chained_mma"][0] == 0 and len(res["chained_mma"]) == 2, name
-            # the first indices are issued before any wait for a global load (the lengths')
+            # the first copies (indices) are issued before any wait for a global load (this
+            # variant has no length tensor: Q's loads)
             assert res["waits_before_first_copy"] == 0, name
     report = aot_build.report(out)
     for arch in ARCHS_8X:

@@ -140,24 +140,31 @@ def test_forbidden_instructions_match_by_opcode_and_modifier():
 
 PROLOGUE = """
         /*0000*/                   LDG.E R2, desc[UR10][R4.64] ;
-        /*0010*/                   LDG.E R9, desc[UR10][R6.64] ;
-        /*0020*/                   IMAD.MOV.U32 R9, RZ, RZ, 0x1 ;
-        /*0030*/                   VIMNMX.RELU R12, R9, R18, PT ;
-        /*0040*/                   IADD3 R13, R14, 0x1, RZ ;
-        /*0050*/              @!P1 LDGSTS.E [R17+0x13a10], desc[UR10][R14.64] ;
+        /*0010*/                   LDG.E.64 R8, desc[UR10][R6.64] ;
+        /*0020*/                   IADD3 R13, R14, 0x1, RZ ;
+        /*0030*/              @!P1 LDGSTS.E [R17+0x13a10], desc[UR10][R14.64] ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R16], desc[UR10][R10.64] ;
+        /*0050*/                   LDGDEPBAR ;
         /*0060*/                   VIMNMX.RELU R2, R2, R39, PT ;
 """
 
 
-def test_waits_before_first_copy_finds_a_read_of_a_pending_load_before_the_first_cp_async():
-    # R9's load is overwritten at 0x20 before 0x30 reads R9: no wait; R2's read comes after
-    # the first LDGSTS: not before it
+def _with(line_at_0x20: str, sass: str = PROLOGUE) -> str:
+    return sass.replace("IADD3 R13, R14, 0x1, RZ", line_at_0x20)
+
+
+def test_waits_before_first_copy_finds_an_instruction_naming_a_pending_load_before_the_first_commit():
+    # R2's read comes after the first group's commit (LDGDEPBAR): not before it
     assert waits_before_first_copy(PROLOGUE) == []
-    waiting = PROLOGUE.replace("IADD3 R13, R14, 0x1, RZ", "IADD3 R13, R2, 0x1, RZ")
-    assert waits_before_first_copy(waiting) == ["IADD3 R13, R2, 0x1, RZ"]
-    # a 64-bit operand reads both registers of its pair: the address R1.64 reads R2's load
-    as_address = PROLOGUE.replace("IADD3 R13, R14, 0x1, RZ", "LDG.E R13, desc[UR10][R1.64]")
-    assert waits_before_first_copy(as_address) == ["LDG.E R13, desc[UR10][R1.64]"]
-    # no cp.async at all (the merge kernel): nothing to hold back
-    no_copy = "\n".join(line for line in waiting.splitlines() if "LDGSTS" not in line)
-    assert waits_before_first_copy(no_copy) == []
+    assert waits_before_first_copy(_with("IADD3 R13, R2, 0x1, RZ")) == ["IADD3 R13, R2, 0x1, RZ"]
+    # a 64-bit load writes two registers (R8, R9); a 64-bit operand names two (R1.64: R1, R2)
+    assert waits_before_first_copy(_with("IADD3 R13, R9, 0x1, RZ")) == ["IADD3 R13, R9, 0x1, RZ"]
+    assert waits_before_first_copy(_with("LDG.E R13, desc[UR10][R1.64]")) == ["LDG.E R13, desc[UR10][R1.64]"]
+    # a write waits for the load's result too, predicated or not
+    assert waits_before_first_copy(_with("@P0 MOV R2, RZ")) == ["@P0 MOV R2, RZ"]
+    # after a copy of the group, before its commit: the group's later copies wait
+    late = PROLOGUE.replace("LDGSTS.E.BYPASS.128 [R16], desc[UR10][R10.64]", "VIMNMX R16, R2, R3, PT")
+    assert waits_before_first_copy(late) == ["VIMNMX R16, R2, R3, PT"]
+    # no commit at all (the merge kernel): nothing to hold back
+    no_copy = "\n".join(line for line in PROLOGUE.splitlines() if "LDGDEPBAR" not in line)
+    assert waits_before_first_copy(_with("IADD3 R13, R2, 0x1, RZ", no_copy)) == []

@@ -63,7 +63,10 @@ def test_variant_builds_for_sm120_without_spills(variant, deployment_build):
         # warp multiplies (GLM-5.3's, rope-free, only gathers)
         loops = 1 + int(variant.config.precision == "f16" and rope_qk)
         assert res["chained_mma"] == [0] * loops
-        # the first indices are issued before anything waits for a global load (the lengths'
-        # or Q's): with a length tensor, three dependent round trips (lengths, indices, rows)
-        # would hold the first rows back instead of two
-        assert res["waits_before_first_copy"] == 0
+        # "f16" (the default path): the first indices are issued before anything waits for a
+        # global load (the lengths' or Q's): with a length tensor, three dependent round trips
+        # (lengths, indices, rows) would hold the first rows back instead of two. ("bf16" and
+        # FP8 copy Q into the same first group, and ptxas uses the lengths before Q's copies:
+        # their first rows wait for lengths, then Q; docs/design.md, "Prologue".)
+        if variant.config.precision == "f16":
+            assert res["waits_before_first_copy"] == 0

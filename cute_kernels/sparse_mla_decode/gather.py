@@ -75,10 +75,10 @@ class ChunkGather:
         stages, the S exchange laid out as ``s_exchange_layout``, validity masks, indices)
         and gather what the issuing steps read about the two lists into a namespace, with the
         first chunk of this split's loop (``c_begin``) and the S exchange tensor ``sS``. The
-        token's lengths are loaded here but not yet used: ``bound_chunks``, after the first
-        indices are issued (``issue_first_indices``), makes the loop's end and the lists'
-        limits of them, so that the indices' load is in flight with the lengths' (a use of a
-        length before the indices' issue would make the indices wait for its round trip)."""
+        token's lengths are loaded here but not yet used: ``bound_chunks`` makes the loop's end
+        and the lists' limits of them once the first indices (and Q) have landed
+        (``wait_first_indices``), so that nothing issued before that waits for the lengths'
+        round trip (a use of a length before a copy's issue makes the copy wait for it)."""
         bn = self.bn
         n_main_chunks = (p.main_topk + bn - 1) // bn
         n_chunks = n_main_chunks + (p.extra_topk + bn - 1) // bn
@@ -121,7 +121,7 @@ class ChunkGather:
         )
 
     def bound_chunks(self, ctx: SimpleNamespace):
-        """After ``issue_first_indices``: how many leading entries of each list count for the
+        """After ``wait_first_indices``: how many leading entries of each list count for the
         token (topk_length clamped to [0, topk], or topk when the call has no length tensor),
         into the lists ``chunk_source`` reads (``ctx.main_list``, ``ctx.extra_list``), and the
         range [c_begin, c_end) of this split's chunk loop, which it returns.
@@ -156,9 +156,9 @@ class ChunkGather:
     @cute.jit
     def issue_first_indices(self, ctx: SimpleNamespace, c_begin: Int32):
         """The cp.async of the first ``index_chunks`` chunks' indices (not yet committed:
-        ``start_pipeline`` commits them). A kernel issues them right after ``context``, before
-        Q: the first rows wait for them, and with L2 cold (decode) their round trip and the
-        rows' are the two a CTA cannot overlap. With a length tensor they are bounded by the
+        ``wait_first_indices`` commits them). A kernel issues them right after ``context``,
+        before Q: the first rows wait for them, and with L2 cold (decode) their round trip and
+        the rows' are the two a CTA cannot overlap. With a length tensor they are bounded by the
         lists' widths, not the lengths, so that they are in flight with the lengths' load
         (indices past a length are read, not used): chunk split + k S of the dealt chunks, if
         there is one (a compare, not the division by S that the loop's count takes)."""
@@ -172,15 +172,19 @@ class ChunkGather:
             if listed:
                 self.issue_indices(ctx, c_begin + k, Int32(k))
 
-    @cute.jit
-    def start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
+    def wait_first_indices(self):
         """After ``issue_first_indices``: one cp.async group of the first indices and any
-        copies the kernel issued since (such as Q), a wait for it (visible to every thread on
-        return), then the first ``stages - 1`` chunks' rows by every thread (in flight, one
-        cp.async group each)."""
+        copies the kernel issued since (such as Q), and a wait for it, visible to every thread
+        on return. The lengths, loaded before the indices, have landed by then: ``bound_chunks``
+        comes next."""
         cute.arch.cp_async_commit_group()  # group: the first indices (and Q)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # the indices visible
+
+    @cute.jit
+    def start_pipeline(self, ctx: SimpleNamespace, c_begin: Int32, c_end: Int32):
+        """After ``bound_chunks``: the first ``stages - 1`` chunks' rows by every thread (in
+        flight, one cp.async group each)."""
         for k in cutlass.range_constexpr(self.stages - 1):
             if c_begin + k < c_end:
                 self.issue_rows(ctx, c_begin + k, Int32(k), Int32(k))

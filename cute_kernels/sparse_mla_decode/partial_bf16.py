@@ -88,12 +88,13 @@ class PartialBf16Kernel(PartialKernel):
         sQ = cute.make_tensor(cute.recast_ptr(sTile.iterator, dtype=BFloat16), q_layout)
         ctx = self.gather.context(alloc, self.quad_s_exchange_layout(), tidx, token, split, p)
         sMask, sS = ctx.sMask, ctx.sS
-        self.gather.issue_first_indices(ctx, ctx.c_begin)  # first: the first rows wait for them, not for Q
+        self.gather.issue_first_indices(ctx, ctx.c_begin)  # before Q: the first rows wait for them
         # the epilogue's addresses, taken at the top level (see ChunkGather.context)
         sink_addr, lse_part_addr, lse_addr = p.attn_sink.toint(), p.lse_part.toint(), p.lse.toint()
         sm_scale_log2 = p.sm_scale_log2
         self.stage_q(p, token, head0, sQ, tiled_store, tidx)
-        c_begin, c_end = self.gather.bound_chunks(ctx)  # the lengths' first use: after Q's loads are issued
+        self.gather.wait_first_indices()  # (and Q's copies, where they are cp.async)
+        c_begin, c_end = self.gather.bound_chunks(ctx)  # the lengths' first use: after the wait
         self.gather.start_pipeline(ctx, c_begin, c_end)
 
         # ---- MMA partitions: warp w owns columns [w*wslice, (w+1)*wslice) of QK and of the output

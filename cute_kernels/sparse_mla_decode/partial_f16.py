@@ -125,7 +125,7 @@ class PartialF16Kernel(PartialKernel):
         # each warp's partial S for all heads of the CTA: [warp][head][F16_S_ROW] f32
         ctx = self.gather.context(alloc, cute.make_layout(self.cfg.s_partials * hb * F16_S_ROW), tidx, token, split,
                                   p)
-        self.gather.issue_first_indices(ctx, ctx.c_begin)  # first: the first rows wait for them, not for Q
+        self.gather.issue_first_indices(ctx, ctx.c_begin)  # before Q: the first rows wait for them
         # addresses taken at the top level (see ChunkGather.context)
         out = SimpleNamespace(o_part=p.o_part.toint(), out=p.out.toint(), out_stride_t=p.out_stride_t,
                               out_stride_h=p.out_stride_h, lse_part=p.lse_part.toint(), lse=p.lse.toint(),
@@ -173,7 +173,8 @@ class PartialF16Kernel(PartialKernel):
                                                                assumed_align=4), cute.make_layout(1))[0]
                         qraw[((m * 4 + i) * 2 + r) * 2 + pair] = v
 
-        c_begin, c_end = self.gather.bound_chunks(ctx)  # the lengths' first use: after Q's loads are issued
+        self.gather.wait_first_indices()  # (and Q's copies, where they are cp.async)
+        c_begin, c_end = self.gather.bound_chunks(ctx)  # the lengths' first use: after the wait
         self.gather.start_pipeline(ctx, c_begin, c_end)
 
         # per-head largest |q| of each warp's columns (as f32 bits), for the f16 scale of Q

@@ -147,13 +147,14 @@ class PartialFp8Kernel(PartialKernel):
         q_base = sQbuf.iterator.toint()
         ctx = self.gather.context(alloc, self.quad_s_exchange_layout(), tidx, token, split, p)
         sMask, sS, raw_base = ctx.sMask, ctx.sS, ctx.raw_base
-        self.gather.issue_first_indices(ctx, ctx.c_begin)  # first: the first rows wait for them, not for Q
+        self.gather.issue_first_indices(ctx, ctx.c_begin)  # before Q: the first rows wait for them
         # the epilogue's addresses, taken at the top level (see ChunkGather.context)
         sink_addr, lse_part_addr, lse_addr = p.attn_sink.toint(), p.lse_part.toint(), p.lse.toint()
         sm_scale_log2 = p.sm_scale_log2
         self.stage_q(p, token, head0, sQ, tiled_store, tidx)
-        c_begin, c_end = self.gather.bound_chunks(ctx)  # the lengths' first use: after Q's loads are issued
-        self.gather.start_pipeline(ctx, c_begin, c_end)  # waits for Q and the first indices
+        self.gather.wait_first_indices()  # (and Q's copies, where they are cp.async)
+        c_begin, c_end = self.gather.bound_chunks(ctx)  # the lengths' first use: after the wait
+        self.gather.start_pipeline(ctx, c_begin, c_end)
 
         # ---- per-head Q scale: 8 threads per head, each the max of an eighth of the nope dims
         qh = tidx // 8
