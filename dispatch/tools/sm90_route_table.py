@@ -21,7 +21,7 @@ in a CUDA graph and replayed with L2 cleared (``dispatch.tools.timing``).
 
 The file ``--json`` writes is a route table (``sm90_policy.load_table``):
 ``DSV4_MLA_SM90_ROUTE_TABLE=out.json`` makes the engine plugins route by it on this GPU (an
-H20's or an H200's table may differ from the shipped one, measured on an H100); ``--python``
+H20's or an H100's table may differ from the shipped one, measured on an H200); ``--python``
 writes the ``EVIDENCE`` literal of the policy module. ``--check`` then times the route itself
 (``dispatch.engines.sm90_route``, with the table just measured, or ``--table FILE``; with
 ``--check-only`` no rows are measured and the shipped table is the default) against FlashMLA
