@@ -1,6 +1,6 @@
 """Where the time of a small decode call goes, on the GPU (a measurement aid for T=1 / T=8).
 
-    python -m scripts.call_floor [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA] of bench.py's grid
+    python -m scripts.call_floor [--lengths] [SHAPE ...]   # SHAPE = TxHxTOPK[+EXTRA] of bench.py's grid
 
 Prints (1) the floor of the bench's method itself: a CUDA graph of one trivial kernel, and of
 two, timed exactly as scripts.bench times a call (graph replay, ``do_bench`` median with its
@@ -8,7 +8,13 @@ L2 clear); (2) per shape, the bench time of the call and, from ``torch.profiler`
 replays each after a 256 MB L2 flush, the median GPU duration of each kernel it launches (the
 merge kernel is a programmatic dependent launch: it starts while the partial kernel runs, so
 the two durations overlap and do not add up), and the merge's tail: how long after the partial
-kernel's end the merge ends.
+kernel's end the merge ends; (3) where the call merges, the bench time of the same plan with
+its merge launch left out (the partial kernel alone: an incomplete result, timed only), and
+the difference: what the merge kernel adds to the call as the bench sees it, the most that
+doing the merge inside the partial kernel could save.
+
+``--lengths`` passes length tensors (every list at its full width), as the engines call: the
+kernels' length variants, which bound each token's chunks on the device.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from statistics import median_high
 import torch
 
 
-from dispatch import sparse_mla_decode
+from dispatch import plan_sparse_mla_decode
 from scripts.bench import Caches, call_inputs, graph_time_us, inputs
-from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 
 DEFAULT_SHAPES = ["1x16x128", "1x64x1024", "1x128x1024", "1x128x128+512", "8x16x128", "8x128x1024"]
 
@@ -59,8 +65,19 @@ def kernel_durations_us(fn, replays: int = 20) -> dict:
     return durations
 
 
+def full_lengths(num_tokens: int, topk: int, extra_topk: int) -> dict:
+    """``topk_length`` (and ``extra_topk_length`` where there is an extra list) with every
+    token's list at its full width."""
+    lengths = {"topk_length": torch.full((num_tokens,), topk, dtype=torch.int32, device="cuda")}
+    if extra_topk:
+        lengths["extra_topk_length"] = torch.full((num_tokens,), extra_topk, dtype=torch.int32, device="cuda")
+    return lengths
+
+
 def main(argv=None) -> int:
-    shapes = (argv if argv is not None else sys.argv[1:]) or DEFAULT_SHAPES
+    args = list(sys.argv[1:] if argv is None else argv)
+    with_lengths = "--lengths" in args
+    shapes = [a for a in args if a != "--lengths"] or DEFAULT_SHAPES
     x = torch.zeros(16, device="cuda")
     print(f"graph of one trivial kernel: {graph_time_us(lambda: x.add_(1.0)):.2f} us; "
           f"of two: {graph_time_us(lambda: (x.add_(1.0), x.mul_(1.0))):.2f} us")
@@ -71,12 +88,27 @@ def main(argv=None) -> int:
         T, H, shape = spec.split("x")
         q, idx, e_idx, _ = inputs(int(T), int(H), shape, gen)
         cache, kw = call_inputs(shape, caches, DEFAULT_FORMAT, e_idx)
-        fn = lambda: sparse_mla_decode(q, cache, idx, **kw)  # noqa: E731
-        print(f"{spec}: bench {graph_time_us(fn):.1f} us")
+        if with_lengths:
+            kw.update(full_lengths(int(T), idx.shape[-1], 0 if e_idx is None else e_idx.shape[-1]))
+        out = torch.empty(*q.shape[:-1], get_format(DEFAULT_FORMAT).d_v, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
+        plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
+        scratch = plan.new_scratch()
+        fn = lambda: plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)  # noqa: E731
+        call_us = graph_time_us(fn)
+        print(f"{spec}{' (lengths)' if with_lengths else ''}: bench {call_us:.1f} us, {plan.num_splits} splits")
         for name, us in kernel_durations_us(fn).items():
             label = name if name.startswith("merge end") else "partial" if "partial" in name else \
                 "merge" if "merge" in name else name[:60]
             print(f"    {label}: {us:.1f} us")
+        kernels = plan._kernels  # (the plan's launches in order: the partial kernel(s), then the merge)
+        if len(kernels) == 2:  # one partial kernel and the merge: time the partial kernel alone
+            plan._kernels = kernels[:1]
+            try:
+                alone_us = graph_time_us(fn)
+            finally:
+                plan._kernels = kernels
+            print(f"    bench without the merge launch: {alone_us:.1f} us (the merge adds {call_us - alone_us:.1f} us)")
     return 0
 
 

@@ -3,6 +3,7 @@
     ncu --clock-control none --metrics gpu__time_duration.sum python -m scripts.profile_kernels 1x16x128 64x128x512
     DSV4_PRECISION=fp8 python -m scripts.profile_kernels ...   # the FP8 path (default: the dispatch's choice)
     DSV4_KV_FORMAT=v32_fp8 python -m scripts.profile_kernels 1x64x2048   # another cache format (default MODEL1)
+    DSV4_LENGTHS=1 python -m scripts.profile_kernels 1x16x128+512   # with length tensors, as the engines call
 
 Each SHAPE is TxHxTOPK[+EXTRA] (+EXTRA: formats with an extra cache only); caches and inputs
 as in scripts.bench (262,144 tokens).
@@ -19,6 +20,7 @@ import torch
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch import sparse_mla_decode
 from dispatch.tools.sample_inputs import make_cache
+from scripts.call_floor import full_lengths
 
 
 def main(argv=None) -> int:
@@ -36,6 +38,8 @@ def main(argv=None) -> int:
         if extra:
             kw.update(extra_kv_cache=cache,
                       extra_indices=torch.randint(0, 4096 * 64, (T, extra), device="cuda", dtype=torch.int32))
+        if os.environ.get("DSV4_LENGTHS") == "1":  # every list at its full width (the kernels' length variants)
+            kw.update(full_lengths(T, topk, extra))
         for _ in range(3):
             sparse_mla_decode(q, cache, idx, **kw)
         torch.cuda.synchronize()
