@@ -289,7 +289,9 @@ def waits_before_first_copy(sass: str) -> list[str]:
         if pending & _registers(operands):
             waits.append(text)
         if opcode.startswith("LDG") and not opcode.startswith("LDGSTS"):
-            width = {"64": 2, "128": 4}.get(opcode.rsplit(".", 1)[-1], 1)
+            # the width may sit before other suffixes (``LDG.E.64.CONSTANT``)
+            suffixes = opcode.split(".")[1:]
+            width = 4 if "128" in suffixes else 2 if "64" in suffixes else 1
             (first,) = _registers(operands.partition(",")[0])
             pending |= set(range(first, first + width))
     return []

@@ -160,6 +160,14 @@ def test_waits_before_first_copy_finds_an_instruction_naming_a_pending_load_befo
     # a 64-bit load writes two registers (R8, R9); a 64-bit operand names two (R1.64: R1, R2)
     assert waits_before_first_copy(_with("IADD3 R13, R9, 0x1, RZ")) == ["IADD3 R13, R9, 0x1, RZ"]
     assert waits_before_first_copy(_with("LDG.E R13, desc[UR10][R1.64]")) == ["LDG.E R13, desc[UR10][R1.64]"]
+    # the width among other suffixes: a 64-bit load through the constant cache writes R8 and R9
+    constant = PROLOGUE.replace("LDG.E.64 R8", "LDG.E.64.CONSTANT R8")
+    assert waits_before_first_copy(_with("IADD3 R13, R9, 0x1, RZ", constant)) == ["IADD3 R13, R9, 0x1, RZ"]
+    wide = PROLOGUE.replace("LDG.E.64 R8", "LDG.E.128.CONSTANT R8")
+    # (R8-R11: the copy's address R10.64 waits for it too)
+    assert waits_before_first_copy(_with("IADD3 R13, R11, 0x1, RZ", wide)) == [
+        "IADD3 R13, R11, 0x1, RZ", "LDGSTS.E.BYPASS.128 [R16], desc[UR10][R10.64]"]
+    assert waits_before_first_copy(_with("IADD3 R13, R12, 0x1, RZ", constant)) == []
     # a write waits for the load's result too, predicated or not
     assert waits_before_first_copy(_with("@P0 MOV R2, RZ")) == ["@P0 MOV R2, RZ"]
     # after a copy of the group, before its commit: the group's later copies wait

@@ -175,8 +175,9 @@ class ChunkGather:
     def wait_first_indices(self):
         """After ``issue_first_indices``: one cp.async group of the first indices and any
         copies the kernel issued since (such as Q), and a wait for it, visible to every thread
-        on return. The lengths, loaded before the indices, have landed by then: ``bound_chunks``
-        comes next."""
+        on return. The lengths are an ordinary load issued before the indices, not part of
+        the group: most likely landed by then, and ``bound_chunks``, which comes next and is
+        their first use, waits for them if not."""
         cute.arch.cp_async_commit_group()  # group: the first indices (and Q)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # the indices visible
