@@ -394,3 +394,18 @@ def test_the_plugins_read_the_first_gpu_this_process_sees(monkeypatch, visible, 
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert plugin_mode.gpu_capability() == expected
+
+
+def test_the_route_check_states_its_verdict():
+    """``sm90_route_table --check``'s summary: the shapes where the routed call took at most
+    FlashMLA's time, the range, and the 16-head T <= 8 geometric mean (the speed target's
+    shapes)."""
+    from dispatch.tools.sm90_route_table import check_summary
+
+    checks = [dict(heads=16, tokens=1, flashmla_us=18.0, routed_us=10.0),
+              dict(heads=16, tokens=8, flashmla_us=20.0, routed_us=12.5),
+              dict(heads=16, tokens=64, flashmla_us=40.0, routed_us=20.0),
+              dict(heads=32, tokens=2, flashmla_us=9.0, routed_us=10.0)]
+    assert check_summary(checks).splitlines() == [
+        "routed <= FlashMLA on 3 of 4 shapes; FlashMLA / routed 0.90-2.00",
+        "16 heads, T <= 8 (2 shapes): geometric mean 1.697, 1.60-1.80"]

@@ -38,6 +38,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,6 +188,21 @@ def evidence_markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def check_summary(checks: list) -> str:
+    """``--check``'s verdict: on how many deployment shapes the routed call took at most
+    FlashMLA's time, the range of FlashMLA / routed, and at 16 heads per GPU with T <= 8
+    (decode with MTP drafts) its geometric mean and range."""
+    ratios = [c["flashmla_us"] / c["routed_us"] for c in checks]
+    small = [r for c, r in zip(checks, ratios) if c["heads"] == 16 and c["tokens"] <= 8]
+    lines = [f"routed <= FlashMLA on {sum(r >= 1 for r in ratios)} of {len(ratios)} shapes; FlashMLA / routed "
+             f"{min(ratios):.2f}-{max(ratios):.2f}"]
+    if small:
+        mean = math.exp(sum(map(math.log, small)) / len(small))
+        lines.append(f"16 heads, T <= 8 ({len(small)} shapes): geometric mean {mean:.3f}, "
+                     f"{min(small):.2f}-{max(small):.2f}")
+    return "\n".join(lines)
+
+
 def source_line() -> str:
     """The GPU, the date and the kernels' sources (their hash, as the loader's fingerprint has it)."""
     from ..runtime.fingerprint import PROJECT_VERSION, source_hash
@@ -252,6 +268,7 @@ def main(argv=None) -> int:
             checks.append(dict(family=shape.family, heads=shape.heads, tokens=shape.tokens, entries=shape.entries,
                                routed_us=round(routed_us, 2), flashmla_us=round(fm_us, 2), route=pick))
             print(f"{shape.label:<28} {routed_us:>10.1f} {fm_us:>11.1f} {fm_us / routed_us:>15.2f} {pick:>8}", flush=True)
+        print(check_summary(checks))
         if args.json:
             data = json.loads(Path(args.json).read_text()) if rows else {"source": source}
             Path(args.json).write_text(json.dumps({**data, "check": checks}, indent=1))
