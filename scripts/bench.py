@@ -129,6 +129,16 @@ def list_lengths(shape: str) -> tuple[int, int]:
     return int(topk), int(extra.partition("@")[0] or 0)
 
 
+def length_tensors(num_tokens: int, topk: int, extra_topk: int, extra_valid: int | None = None) -> dict:
+    """``topk_length`` with every token's main list at its full width, and where there is an
+    extra list ``extra_topk_length`` at ``extra_valid`` entries (default: its full width)."""
+    lengths = {"topk_length": torch.full((num_tokens,), topk, dtype=torch.int32, device="cuda")}
+    if extra_topk:
+        valid = extra_topk if extra_valid is None else extra_valid
+        lengths["extra_topk_length"] = torch.full((num_tokens,), valid, dtype=torch.int32, device="cuda")
+    return lengths
+
+
 def extra_page_of(shape: str) -> int:
     """The extra cache's page size of a grid shape ("128+8192@2": 2; default ``PAGE``)."""
     return int(shape.partition("@")[2] or PAGE)

@@ -25,9 +25,8 @@ from statistics import median_high
 import torch
 
 
-from dispatch import plan_sparse_mla_decode
-from scripts.bench import Caches, call_inputs, graph_time_us, inputs
-from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
+from scripts.bench import Caches, call_inputs, graph_time_us, inputs, length_tensors, plan_runner
+from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
 
 DEFAULT_SHAPES = ["1x16x128", "1x64x1024", "1x128x1024", "1x128x128+512", "8x16x128", "8x128x1024"]
 
@@ -65,15 +64,6 @@ def kernel_durations_us(fn, replays: int = 20) -> dict:
     return durations
 
 
-def full_lengths(num_tokens: int, topk: int, extra_topk: int) -> dict:
-    """``topk_length`` (and ``extra_topk_length`` where there is an extra list) with every
-    token's list at its full width."""
-    lengths = {"topk_length": torch.full((num_tokens,), topk, dtype=torch.int32, device="cuda")}
-    if extra_topk:
-        lengths["extra_topk_length"] = torch.full((num_tokens,), extra_topk, dtype=torch.int32, device="cuda")
-    return lengths
-
-
 def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     with_lengths = "--lengths" in args
@@ -89,12 +79,9 @@ def main(argv=None) -> int:
         q, idx, e_idx, _ = inputs(int(T), int(H), shape, gen)
         cache, kw = call_inputs(shape, caches, DEFAULT_FORMAT, e_idx)
         if with_lengths:
-            kw.update(full_lengths(int(T), idx.shape[-1], 0 if e_idx is None else e_idx.shape[-1]))
-        out = torch.empty(*q.shape[:-1], get_format(DEFAULT_FORMAT).d_v, dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="cuda")
-        plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, **kw)
-        scratch = plan.new_scratch()
-        fn = lambda: plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)  # noqa: E731
+            kw.update(length_tensors(int(T), idx.shape[-1], 0 if e_idx is None else e_idx.shape[-1]))
+        fn = plan_runner(q, cache, idx, kw=kw, precision=None, overrides=None)
+        plan = fn.plan
         call_us = graph_time_us(fn)
         print(f"{spec}{' (lengths)' if with_lengths else ''}: bench {call_us:.1f} us, {plan.num_splits} splits")
         for name, us in kernel_durations_us(fn).items():

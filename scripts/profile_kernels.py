@@ -20,7 +20,7 @@ import torch
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 from dispatch import sparse_mla_decode
 from dispatch.tools.sample_inputs import make_cache
-from scripts.call_floor import full_lengths
+from scripts.bench import length_tensors
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
             kw.update(extra_kv_cache=cache,
                       extra_indices=torch.randint(0, 4096 * 64, (T, extra), device="cuda", dtype=torch.int32))
         if os.environ.get("DSV4_LENGTHS") == "1":  # every list at its full width (the kernels' length variants)
-            kw.update(full_lengths(T, topk, extra))
+            kw.update(length_tensors(T, topk, extra))
         for _ in range(3):
             sparse_mla_decode(q, cache, idx, **kw)
         torch.cuda.synchronize()

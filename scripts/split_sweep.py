@@ -37,7 +37,7 @@ from dispatch import PlanOverrides, validate_call
 from dispatch.policy.selection import select_for_call
 from dispatch.policy.splits import MAX_SPLITS
 from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT
-from scripts.bench import Caches, call_inputs, graph_time_us, inputs, list_lengths, plan_runner
+from scripts.bench import Caches, call_inputs, graph_time_us, inputs, length_tensors, list_lengths, plan_runner
 
 
 def split_candidates(num_chunks: int) -> set:
@@ -52,8 +52,7 @@ def length_kwargs(shape: str, T: int, valid: int) -> dict:
     topk, extra_topk = list_lengths(shape)
     if not extra_topk or not 0 <= valid <= extra_topk:
         raise SystemExit(f"--valid {valid}: shape {shape} needs an extra list of at least {valid} entries")
-    return dict(topk_length=torch.full((T,), topk, dtype=torch.int32, device="cuda"),
-                extra_topk_length=torch.full((T,), valid, dtype=torch.int32, device="cuda"))
+    return length_tensors(T, topk, extra_topk, valid)
 
 
 def main(argv=None) -> int:

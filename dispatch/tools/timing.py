@@ -17,8 +17,9 @@ from cute_kernels.sparse_mla_decode.kv_format import DEFAULT_FORMAT, get_format
 def plan_runner(q, cache, idx, *, kw, precision, overrides, kv_format: str = DEFAULT_FORMAT,
                 extra_kv_format: str | None = None):
     """A no-argument call of the planned decode on these inputs (``plan.run``: what a serving
-    engine captures in a CUDA graph). ``kw``: the extra cache's and the optional inputs'
-    keyword arguments (``extra_kv_cache``, ``extra_indices``, ``topk_length``, ...)."""
+    engine captures in a CUDA graph); its ``plan`` attribute is the plan. ``kw``: the extra
+    cache's and the optional inputs' keyword arguments (``extra_kv_cache``, ``extra_indices``,
+    ``topk_length``, ...)."""
     from ..api import plan_sparse_mla_decode
 
     out = torch.empty(*q.shape[:-1], get_format(kv_format).d_v, dtype=torch.bfloat16, device=q.device)
@@ -27,7 +28,12 @@ def plan_runner(q, cache, idx, *, kw, precision, overrides, kv_format: str = DEF
     plan = plan_sparse_mla_decode(q, cache, idx, out=out, lse=lse, precision=precision, overrides=overrides,
                                   kv_format=kv_format, extra_kv_format=extra_kv_format if has_extra else None, **kw)
     scratch = plan.new_scratch()
-    return lambda: plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+
+    def run():
+        return plan.run(q, cache, idx, out=out, lse=lse, scratch=scratch, **kw)
+
+    run.plan = plan
+    return run
 
 
 def graph_time_us(fn) -> float:
