@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 from pathlib import Path
 
 
@@ -38,7 +38,7 @@ def compare(old: dict, new: dict) -> tuple[list[tuple], float]:
         rows.append((key, a, b, b / a, old[key], new[key]))
     if not rows:
         raise SystemExit("the two sides share no shape")
-    return rows, math.exp(sum(math.log(r[3]) for r in rows) / len(rows))
+    return rows, statistics.geometric_mean(r[3] for r in rows)
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import math
+import statistics
 import multiprocessing as mp
 import os
 import sys
@@ -147,7 +147,7 @@ def print_table(rows: list, targets: list, device: str, kv_format: str, precisio
               + "".join(f" {r['us'][p]:>9.1f} {r['us'][p] / r['us'][own]:>6.2f}" for p in profiles))
     if rows:
         print(f"{'geomean':>18} {'':>9}" + "".join(
-            f" {'':>9} {math.exp(sum(math.log(r['us'][p] / r['us'][own]) for r in rows) / len(rows)):>6.2f}"
+            f" {'':>9} {statistics.geometric_mean(r['us'][p] / r['us'][own] for r in rows):>6.2f}"
             for p in profiles))
 
 

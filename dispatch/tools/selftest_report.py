@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import statistics
 from pathlib import Path
 
 from cute_kernels.sparse_mla_decode.tuning import DEFAULT_PRECISION
@@ -88,7 +89,7 @@ def peer_stats(rows: list[dict], peer: str) -> dict:
             notes[entry["note"]] += 1
         if ours is not None:
             ratios.append(theirs / ours)
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+    geomean = statistics.geometric_mean(ratios) if ratios else None
     return {"measured": len(ratios), "ours_faster": sum(r > 1 for r in ratios), "geomean": geomean,
             "notes": dict(notes), "reasons": dict(reasons)}
 

@@ -38,7 +38,7 @@ import inspect
 import itertools
 import json
 import logging
-import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,7 +197,7 @@ def check_summary(checks: list) -> str:
     lines = [f"routed <= FlashMLA on {sum(r >= 1 for r in ratios)} of {len(ratios)} shapes; FlashMLA / routed "
              f"{min(ratios):.2f}-{max(ratios):.2f}"]
     if small:
-        mean = math.exp(sum(map(math.log, small)) / len(small))
+        mean = statistics.geometric_mean(small)
         lines.append(f"16 heads, T <= 8 ({len(small)} shapes): geometric mean {mean:.3f}, "
                      f"{min(small):.2f}-{max(small):.2f}")
     return "\n".join(lines)
