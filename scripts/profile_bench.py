@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import statistics
 import multiprocessing as mp
 import os
+import statistics
 import sys
 from pathlib import Path
 
